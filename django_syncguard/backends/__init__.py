@@ -1,0 +1,1 @@
+"""Lock backends. Each module is imported only when an alias names it."""

@@ -1,0 +1,332 @@
+"""The contract every backend fulfils, and the checks every backend shares.
+
+A backend subclasses :class:`BaseLockBackend` and implements only storage I/O: the
+``_acquire``, ``_release``, ``_extend``, ``_is_locked``, ``_lookup_by_key`` and
+``_lookup_by_id`` methods (and their ``_a*`` async twins when it has a native async
+client). The public methods validate every argument before any I/O, check
+``cancel``, verify what the backend returned (ownership, fence format and limits)
+and sanitize lookups, so no backend repeats that logic.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar, TypeVar
+
+from asgiref.sync import sync_to_async
+
+from ..cancellation import CancelToken, check_cancel, validate_cancel
+from ..constants import BACKEND_DEFAULTS
+from ..errors import Internal, InvalidArgument
+from ..fencing import check_fence
+from ..keys import hash_key, normalize_and_validate_key, validate_lock_id
+from ..results import (
+    AcquireResult,
+    Capabilities,
+    ExtendResult,
+    LockInfo,
+    LockInfoDebug,
+    ReleaseResult,
+    TimeAuthority,
+)
+
+logger = logging.getLogger("django_syncguard.backends")
+
+#: Longest TTL accepted (about 24.8 days): keeps every expiry exact in a double and
+#: in a signed 64-bit column, whatever the backend. A lease this long is a bug.
+MAX_TTL_MS = 2**31 - 1
+
+DEFAULT_CONNECT_TIMEOUT_MS = 5_000
+DEFAULT_OPERATION_TIMEOUT_MS = 5_000
+
+T = TypeVar("T")
+
+_NO_TTL: Any = object()  # "this operation takes no TTL" (None is a bad TTL, not absence)
+
+
+@dataclass(frozen=True, slots=True)
+class LockRecord:
+    """A stored lock as a backend reads it (raw key and lock id); never public."""
+
+    key: str
+    lock_id: str
+    expires_at_ms: int
+    acquired_at_ms: int
+    fence: str | None
+
+    def debug_info(self) -> LockInfoDebug:
+        return LockInfoDebug(
+            key_hash=hash_key(self.key),
+            lock_id_hash=hash_key(self.lock_id),
+            expires_at_ms=self.expires_at_ms,
+            acquired_at_ms=self.acquired_at_ms,
+            fence=self.fence,
+            key=self.key,
+            lock_id=self.lock_id,
+        )
+
+
+def validate_ttl(ttl_ms: Any) -> int:
+    """Return ``ttl_ms`` if it is a positive int of at most ``MAX_TTL_MS``."""
+    if isinstance(ttl_ms, bool) or not isinstance(ttl_ms, int):
+        raise InvalidArgument(f"ttl_ms must be an int number of milliseconds, not {ttl_ms!r}.")
+    if not 0 < ttl_ms <= MAX_TTL_MS:
+        raise InvalidArgument(f"ttl_ms must be between 1 and {MAX_TTL_MS}, not {ttl_ms}.")
+    return ttl_ms
+
+
+def option_ms(options: Mapping[str, Any], name: str, default: int) -> int:
+    """Read a positive millisecond option, e.g. ``OPERATION_TIMEOUT_MS``."""
+    value = options.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise InvalidArgument(f"OPTIONS[{name!r}] must be a positive int (ms), not {value!r}.")
+    return value
+
+
+class BaseLockBackend:
+    """Base class of every lock backend; see the module docstring.
+
+    ``params`` is the alias's entry in ``SYNCGUARD_BACKENDS`` (``LOCATION``,
+    ``KEY_PREFIX``, ``OPTIONS``). Construction validates options but performs no I/O.
+    """
+
+    #: Short name reported in ``capabilities.backend``.
+    backend_name: ClassVar[str] = "base"
+    time_authority: ClassVar[TimeAuthority] = "server"
+    supports_fencing: ClassVar[bool] = True
+    #: Options every backend accepts; subclasses extend it.
+    known_options: ClassVar[frozenset[str]] = frozenset(
+        {"CLEANUP_IN_IS_LOCKED", "CONNECT_TIMEOUT_MS", "OPERATION_TIMEOUT_MS"}
+    )
+
+    def __init__(self, alias: str = "default", params: Mapping[str, Any] | None = None) -> None:
+        params = dict(params or {})
+        self.alias = alias
+        self.location: str = params.get("LOCATION") or ""
+        prefix = params.get("KEY_PREFIX", "syncguard")
+        if not isinstance(prefix, str):
+            raise InvalidArgument(f"KEY_PREFIX must be a str, not {type(prefix).__name__}.")
+        self.key_prefix: str = prefix
+        self.options: dict[str, Any] = dict(params.get("OPTIONS") or {})
+        unknown = set(self.options) - self.known_options
+        if unknown:
+            raise InvalidArgument(
+                f"Unknown OPTIONS for {type(self).__name__} (alias {alias!r}): "
+                f"{', '.join(sorted(unknown))}. Known: {', '.join(sorted(self.known_options))}."
+            )
+        cleanup = self.options.get("CLEANUP_IN_IS_LOCKED", False)
+        if not isinstance(cleanup, bool):
+            raise InvalidArgument("OPTIONS['CLEANUP_IN_IS_LOCKED'] must be True or False.")
+        self.cleanup_in_is_locked: bool = cleanup
+        self.connect_timeout_ms = option_ms(
+            self.options, "CONNECT_TIMEOUT_MS", DEFAULT_CONNECT_TIMEOUT_MS
+        )
+        self.operation_timeout_ms = option_ms(
+            self.options, "OPERATION_TIMEOUT_MS", DEFAULT_OPERATION_TIMEOUT_MS
+        )
+        self.capabilities = Capabilities(
+            backend=self.backend_name,
+            supports_fencing=self.supports_fencing,
+            time_authority=self.time_authority,
+        )
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} alias={self.alias!r}>"
+
+    # ----------------------------------------------------------------- public API
+    def acquire(
+        self, key: str, ttl_ms: int = BACKEND_DEFAULTS["ttl_ms"], *, cancel: Any = None
+    ) -> AcquireResult:
+        """Try once to take ``key`` for ``ttl_ms`` milliseconds.
+
+        Returns ``AcquireResult(ok=True, lock_id, expires_at_ms, fence)`` or
+        ``AcquireResult(ok=False, reason="locked")``; raises ``LockError`` on failure.
+        """
+        key, ttl_ms, cancel = self._key_args(key, cancel, ttl_ms)
+        return self._checked_acquire(self._acquire(key, ttl_ms, cancel), key)
+
+    async def aacquire(
+        self, key: str, ttl_ms: int = BACKEND_DEFAULTS["ttl_ms"], *, cancel: Any = None
+    ) -> AcquireResult:
+        key, ttl_ms, cancel = self._key_args(key, cancel, ttl_ms)
+        return self._checked_acquire(await self._aacquire(key, ttl_ms, cancel), key)
+
+    def release(self, lock_id: str, *, cancel: Any = None) -> ReleaseResult:
+        """Release the lock ``lock_id`` names. ``ok=False`` when it was already gone.
+
+        Safe to call without owning anything: it only ever removes that lock.
+        """
+        lock_id, _, cancel = self._id_args(lock_id, cancel)
+        return self._release(lock_id, cancel)
+
+    async def arelease(self, lock_id: str, *, cancel: Any = None) -> ReleaseResult:
+        lock_id, _, cancel = self._id_args(lock_id, cancel)
+        return await self._arelease(lock_id, cancel)
+
+    def extend(self, lock_id: str, ttl_ms: int, *, cancel: Any = None) -> ExtendResult:
+        """Reset the expiry of a live lock to now + ``ttl_ms``; never revives a dead one."""
+        lock_id, ttl_ms, cancel = self._id_args(lock_id, cancel, ttl_ms)
+        return self._checked_extend(self._extend(lock_id, ttl_ms, cancel))
+
+    async def aextend(self, lock_id: str, ttl_ms: int, *, cancel: Any = None) -> ExtendResult:
+        lock_id, ttl_ms, cancel = self._id_args(lock_id, cancel, ttl_ms)
+        return self._checked_extend(await self._aextend(lock_id, ttl_ms, cancel))
+
+    def is_locked(self, key: str, *, cancel: Any = None) -> bool:
+        """True while some live lock holds ``key``. Read-only unless
+        ``OPTIONS["CLEANUP_IN_IS_LOCKED"]`` is set."""
+        key, _, cancel = self._key_args(key, cancel)
+        return bool(self._is_locked(key, cancel))
+
+    async def ais_locked(self, key: str, *, cancel: Any = None) -> bool:
+        key, _, cancel = self._key_args(key, cancel)
+        return bool(await self._ais_locked(key, cancel))
+
+    def lookup(
+        self, *, key: str | None = None, lock_id: str | None = None, cancel: Any = None
+    ) -> LockInfo | None:
+        """Sanitized facts about the live lock on ``key`` or named by ``lock_id``.
+
+        Exactly one of ``key`` / ``lock_id``. ``None`` when absent or expired.
+        """
+        raw = self.lookup_raw(key=key, lock_id=lock_id, cancel=cancel)
+        return raw.sanitized() if raw else None
+
+    async def alookup(
+        self, *, key: str | None = None, lock_id: str | None = None, cancel: Any = None
+    ) -> LockInfo | None:
+        raw = await self.alookup_raw(key=key, lock_id=lock_id, cancel=cancel)
+        return raw.sanitized() if raw else None
+
+    def lookup_raw(
+        self, *, key: str | None = None, lock_id: str | None = None, cancel: Any = None
+    ) -> LockInfoDebug | None:
+        """Like :meth:`lookup` but with the raw ``key`` and ``lock_id``: for debugging."""
+        by_key, value, cancel = self._lookup_args(key, lock_id, cancel)
+        if by_key:
+            return self._checked_record(self._lookup_by_key(value, cancel), key=value)
+        return self._checked_record(self._lookup_by_id(value, cancel), lock_id=value)
+
+    async def alookup_raw(
+        self, *, key: str | None = None, lock_id: str | None = None, cancel: Any = None
+    ) -> LockInfoDebug | None:
+        by_key, value, cancel = self._lookup_args(key, lock_id, cancel)
+        if by_key:
+            return self._checked_record(await self._alookup_by_key(value, cancel), key=value)
+        return self._checked_record(await self._alookup_by_id(value, cancel), lock_id=value)
+
+    # ------------------------------------------------------------ housekeeping
+    def check(self, **kwargs: Any) -> list[Any]:
+        """System-check messages about this alias; called by the app's check."""
+        return []
+
+    def close(self, **kwargs: Any) -> None:
+        """Release connections; the handler calls it when settings change."""
+
+    # ------------------------------------------------------------ storage I/O
+    def _acquire(self, key: str, ttl_ms: int, cancel: CancelToken | None) -> AcquireResult:
+        raise NotImplementedError
+
+    def _release(self, lock_id: str, cancel: CancelToken | None) -> ReleaseResult:
+        raise NotImplementedError
+
+    def _extend(self, lock_id: str, ttl_ms: int, cancel: CancelToken | None) -> ExtendResult:
+        raise NotImplementedError
+
+    def _is_locked(self, key: str, cancel: CancelToken | None) -> bool:
+        raise NotImplementedError
+
+    def _lookup_by_key(self, key: str, cancel: CancelToken | None) -> LockRecord | None:
+        raise NotImplementedError
+
+    def _lookup_by_id(self, lock_id: str, cancel: CancelToken | None) -> LockRecord | None:
+        raise NotImplementedError
+
+    # Async twins default to the sync I/O in a worker thread; backends with a native
+    # async client override them.
+    async def _aacquire(self, key: str, ttl_ms: int, cancel: CancelToken | None) -> AcquireResult:
+        return await self._in_thread(self._acquire, key, ttl_ms, cancel)
+
+    async def _arelease(self, lock_id: str, cancel: CancelToken | None) -> ReleaseResult:
+        return await self._in_thread(self._release, lock_id, cancel)
+
+    async def _aextend(
+        self, lock_id: str, ttl_ms: int, cancel: CancelToken | None
+    ) -> ExtendResult:
+        return await self._in_thread(self._extend, lock_id, ttl_ms, cancel)
+
+    async def _ais_locked(self, key: str, cancel: CancelToken | None) -> bool:
+        return await self._in_thread(self._is_locked, key, cancel)
+
+    async def _alookup_by_key(self, key: str, cancel: CancelToken | None) -> LockRecord | None:
+        return await self._in_thread(self._lookup_by_key, key, cancel)
+
+    async def _alookup_by_id(
+        self, lock_id: str, cancel: CancelToken | None
+    ) -> LockRecord | None:
+        return await self._in_thread(self._lookup_by_id, lock_id, cancel)
+
+    async def _in_thread(self, fn: Callable[..., T], *args: Any) -> T:
+        return await sync_to_async(fn, thread_sensitive=True)(*args)
+
+    # ------------------------------------------------------------ shared checks
+    def _key_args(
+        self, key: Any, cancel: Any, ttl_ms: Any = _NO_TTL
+    ) -> tuple[str, int, CancelToken | None]:
+        key = normalize_and_validate_key(key)
+        ttl = 0 if ttl_ms is _NO_TTL else validate_ttl(ttl_ms)
+        cancel = validate_cancel(cancel)
+        check_cancel(cancel, {"key": key})
+        return key, ttl, cancel
+
+    def _id_args(
+        self, lock_id: Any, cancel: Any, ttl_ms: Any = _NO_TTL
+    ) -> tuple[str, int, CancelToken | None]:
+        lock_id = validate_lock_id(lock_id)
+        ttl = 0 if ttl_ms is _NO_TTL else validate_ttl(ttl_ms)
+        cancel = validate_cancel(cancel)
+        check_cancel(cancel, {"lock_id": lock_id})
+        return lock_id, ttl, cancel
+
+    def _lookup_args(
+        self, key: Any, lock_id: Any, cancel: Any
+    ) -> tuple[bool, str, CancelToken | None]:
+        if (key is None) == (lock_id is None):
+            raise InvalidArgument("lookup() takes exactly one of key= or lock_id=.")
+        if key is not None:
+            key, _, cancel = self._key_args(key, cancel)
+            return True, key, cancel
+        lock_id, _, cancel = self._id_args(lock_id, cancel)
+        return False, lock_id, cancel
+
+    def _checked_acquire(self, result: AcquireResult, key: str) -> AcquireResult:
+        if not result.ok:
+            return AcquireResult.locked()
+        if result.lock_id is None or result.expires_at_ms is None:
+            raise Internal(f"{self.backend_name} returned an incomplete acquire result.")
+        if self.supports_fencing:
+            if result.fence is None:
+                raise Internal(f"{self.backend_name} returned no fence.", {"key": key})
+            check_fence(result.fence, key)
+        return result
+
+    def _checked_extend(self, result: ExtendResult) -> ExtendResult:
+        if result.ok and result.expires_at_ms is None:
+            raise Internal(f"{self.backend_name} returned an extend result without expiry.")
+        return result
+
+    def _checked_record(
+        self, record: LockRecord | None, *, key: str | None = None, lock_id: str | None = None
+    ) -> LockInfoDebug | None:
+        # Defence in depth (ADR-003): a record found through an index or a hashed
+        # storage key must name exactly what was asked for.
+        if record is None:
+            return None
+        if (key is not None and record.key != key) or (
+            lock_id is not None and record.lock_id != lock_id
+        ):
+            logger.warning("%s: lookup returned a record for another lock; ignored.", self)
+            return None
+        return record.debug_info()

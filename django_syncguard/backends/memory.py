@@ -1,0 +1,186 @@
+"""An in-process backend: the whole contract, for tests and development only.
+
+Locks live in this process's memory, so they exclude threads and tasks of one
+process and nothing else. Every ``MemoryBackend`` with the same ``LOCATION`` (or,
+without one, the same alias) shares one store, whichever thread built it.
+
+``OPTIONS["CLOCK"]``: a callable (or dotted path to one) returning Unix ms; the
+default is the system clock. Tests pass a :class:`~django_syncguard.liveness.FakeClock`
+to move time without sleeping. The clock is the time authority (``"client"``).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from django.utils.module_loading import import_string
+
+from ..cancellation import CancelToken, check_cancel
+from ..constants import CLEANUP_GUARD_MS, TIME_TOLERANCE_MS
+from ..errors import InvalidArgument
+from ..fencing import FENCE_MAX, fence_overflow_error, format_fence
+from ..keys import generate_lock_id
+from ..liveness import Clock, is_live, system_clock_ms
+from ..results import AcquireResult, ExtendResult, ReleaseResult
+from .base import BaseLockBackend, LockRecord
+
+
+@dataclass
+class _Store:
+    mutex: threading.Lock = field(default_factory=threading.Lock)
+    locks: dict[str, LockRecord] = field(default_factory=dict)
+    index: dict[str, str] = field(default_factory=dict)  # lock_id -> key
+    fences: dict[str, int] = field(default_factory=dict)  # key -> last fence
+
+
+_stores: dict[str, _Store] = {}
+_stores_mutex = threading.Lock()
+
+
+def _store(name: str) -> _Store:
+    with _stores_mutex:
+        return _stores.setdefault(name, _Store())
+
+
+class MemoryBackend(BaseLockBackend):
+    """Thread-safe in-process locks with fences; see the module docstring."""
+
+    backend_name = "memory"
+    time_authority = "client"
+    known_options: ClassVar[frozenset[str]] = BaseLockBackend.known_options | {"CLOCK"}
+
+    def __init__(self, alias: str = "default", params: Mapping[str, Any] | None = None) -> None:
+        super().__init__(alias, params)
+        clock = self.options.get("CLOCK", system_clock_ms)
+        if isinstance(clock, str):
+            clock = import_string(clock)
+        if not callable(clock):
+            raise InvalidArgument("OPTIONS['CLOCK'] must be a callable returning Unix ms.")
+        self.clock: Clock = clock
+        self._store = _store(self.location or alias)
+
+    def reset(self) -> None:
+        """Forget every lock *and fence counter* of this store. Tests only: in any
+        real backend fence counters are never reset."""
+        with self._store.mutex:
+            self._store.locks.clear()
+            self._store.index.clear()
+            self._store.fences.clear()
+
+    def _acquire(self, key: str, ttl_ms: int, cancel: CancelToken | None) -> AcquireResult:
+        store = self._store
+        with store.mutex:
+            now = self.clock()
+            current = store.locks.get(key)
+            if current is not None and is_live(current.expires_at_ms, now, TIME_TOLERANCE_MS):
+                return AcquireResult.locked()
+            fence = store.fences.get(key, 0) + 1
+            if fence > FENCE_MAX:
+                raise fence_overflow_error(key)
+            check_cancel(cancel, {"key": key})  # last point before the write
+            if current is not None:
+                store.index.pop(current.lock_id, None)
+            record = LockRecord(
+                key=key,
+                lock_id=generate_lock_id(),
+                expires_at_ms=now + ttl_ms,
+                acquired_at_ms=now,
+                fence=format_fence(fence),
+            )
+            store.fences[key] = fence
+            store.locks[key] = record
+            store.index[record.lock_id] = key
+            return AcquireResult(
+                ok=True, lock_id=record.lock_id, expires_at_ms=record.expires_at_ms, fence=record.fence
+            )
+
+    def _owned(self, lock_id: str, now: int) -> tuple[LockRecord | None, str]:
+        """The live record ``lock_id`` names, or ``None`` and why. Caller holds the mutex."""
+        key = self._store.index.get(lock_id)
+        record = self._store.locks.get(key) if key is not None else None
+        if record is None or record.lock_id != lock_id:
+            return None, "not-found"
+        if not is_live(record.expires_at_ms, now, TIME_TOLERANCE_MS):
+            return None, "expired"
+        return record, ""
+
+    def _release(self, lock_id: str, cancel: CancelToken | None) -> ReleaseResult:
+        store = self._store
+        with store.mutex:
+            record, reason = self._owned(lock_id, self.clock())
+            if record is None:
+                return ReleaseResult(ok=False, reason=reason)  # type: ignore[arg-type]
+            check_cancel(cancel, {"lock_id": lock_id})
+            del store.locks[record.key]
+            del store.index[lock_id]
+            return ReleaseResult(ok=True)
+
+    def _extend(self, lock_id: str, ttl_ms: int, cancel: CancelToken | None) -> ExtendResult:
+        store = self._store
+        with store.mutex:
+            now = self.clock()
+            record, reason = self._owned(lock_id, now)
+            if record is None:
+                return ExtendResult(ok=False, reason=reason)  # type: ignore[arg-type]
+            check_cancel(cancel, {"lock_id": lock_id})
+            renewed = LockRecord(
+                key=record.key,
+                lock_id=lock_id,
+                expires_at_ms=now + ttl_ms,
+                acquired_at_ms=record.acquired_at_ms,
+                fence=record.fence,
+            )
+            store.locks[record.key] = renewed
+            return ExtendResult(ok=True, expires_at_ms=renewed.expires_at_ms)
+
+    def _is_locked(self, key: str, cancel: CancelToken | None) -> bool:
+        store = self._store
+        with store.mutex:
+            now = self.clock()
+            record = store.locks.get(key)
+            if record is None:
+                return False
+            live = is_live(record.expires_at_ms, now, TIME_TOLERANCE_MS)
+            if self.cleanup_in_is_locked and self._sweepable(record, now):
+                del store.locks[key]
+                store.index.pop(record.lock_id, None)
+            return live
+
+    def _sweepable(self, record: LockRecord, now: int) -> bool:
+        """Expired by more than tolerance + guard: no extend can still be racing it."""
+        return now - record.expires_at_ms > TIME_TOLERANCE_MS + CLEANUP_GUARD_MS["client"]
+
+    def _lookup_by_key(self, key: str, cancel: CancelToken | None) -> LockRecord | None:
+        with self._store.mutex:
+            record = self._store.locks.get(key)
+            now = self.clock()
+        if record is None or not is_live(record.expires_at_ms, now, TIME_TOLERANCE_MS):
+            return None
+        return record
+
+    def _lookup_by_id(self, lock_id: str, cancel: CancelToken | None) -> LockRecord | None:
+        with self._store.mutex:
+            record, _ = self._owned(lock_id, self.clock())
+        return record
+
+    # Memory I/O never blocks: the async twins run inline, on the event loop.
+    async def _aacquire(self, key: str, ttl_ms: int, cancel: CancelToken | None) -> AcquireResult:
+        return self._acquire(key, ttl_ms, cancel)
+
+    async def _arelease(self, lock_id: str, cancel: CancelToken | None) -> ReleaseResult:
+        return self._release(lock_id, cancel)
+
+    async def _aextend(self, lock_id: str, ttl_ms: int, cancel: CancelToken | None) -> ExtendResult:
+        return self._extend(lock_id, ttl_ms, cancel)
+
+    async def _ais_locked(self, key: str, cancel: CancelToken | None) -> bool:
+        return self._is_locked(key, cancel)
+
+    async def _alookup_by_key(self, key: str, cancel: CancelToken | None) -> LockRecord | None:
+        return self._lookup_by_key(key, cancel)
+
+    async def _alookup_by_id(self, lock_id: str, cancel: CancelToken | None) -> LockRecord | None:
+        return self._lookup_by_id(lock_id, cancel)

@@ -1,0 +1,48 @@
+"""Numbers that are part of the SyncGuard contract.
+
+Every mapping here is read-only (``MappingProxyType``): these values are shared by
+all backends and must not drift at run time.
+"""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+from typing import Final
+
+#: Longest user key accepted, in UTF-8 bytes after NFC normalisation.
+MAX_KEY_LENGTH_BYTES: Final = 512
+
+#: A lock stays live until ``expires_at_ms + TIME_TOLERANCE_MS`` on every backend.
+TIME_TOLERANCE_MS: Final = 1000
+
+#: Defaults every backend operation applies.
+BACKEND_DEFAULTS: Final = MappingProxyType({"ttl_ms": 30_000})
+
+#: Defaults of the ``lock()`` / ``locked()`` retry loop.
+LOCK_DEFAULTS: Final = MappingProxyType(
+    {
+        "max_retries": 10,
+        "retry_delay_ms": 100,
+        "timeout_ms": 5_000,
+        "backoff": "exponential",
+        "jitter": "equal",
+    }
+)
+
+#: Fences above ``MAX`` are refused; fences above ``WARN`` log a warning.
+FENCE_THRESHOLDS: Final = MappingProxyType(
+    {"MAX": "900000000000000", "WARN": "090000000000000"}
+)
+
+#: Width of every fence string.
+FENCE_DIGITS: Final = 15
+
+#: Storage-key budget of each server backend, in bytes.
+BACKEND_LIMITS: Final = MappingProxyType({"REDIS": 1000, "POSTGRES": 1700, "FIRESTORE": 1500})
+
+#: Bytes each backend keeps free for the suffixes of its derived keys.
+RESERVE_BYTES: Final = MappingProxyType({"REDIS": 26, "POSTGRES": 0, "FIRESTORE": 0})
+
+#: Guard added to the tolerance before a cleanup may delete an expired record
+#: (server-time backends: 2000 ms past expiry; client-time: tolerance + 1000 ms).
+CLEANUP_GUARD_MS: Final = MappingProxyType({"server": 2000, "client": TIME_TOLERANCE_MS + 1000})

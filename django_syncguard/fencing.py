@@ -1,0 +1,111 @@
+"""Fence tokens: their format, their limits, and fenced writes in the ORM.
+
+A fence is a 15-digit zero-padded decimal string. Fences of one key strictly
+increase with each acquisition, so plain string comparison orders them.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+from typing import Any
+
+from .constants import FENCE_DIGITS, FENCE_THRESHOLDS
+from .errors import Internal, InvalidArgument, StaleFenceError
+from .keys import hash_key
+
+logger = logging.getLogger("django_syncguard")
+
+FENCE_MAX: int = int(FENCE_THRESHOLDS["MAX"])
+FENCE_WARN: int = int(FENCE_THRESHOLDS["WARN"])
+_FENCE_RE = re.compile(rf"\d{{{FENCE_DIGITS}}}")
+
+_warned_keys: set[str] = set()
+_warned_lock = threading.Lock()
+
+
+def format_fence(n: int) -> str:
+    """Return ``n`` as a fence string: 15 digits, zero-padded."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise InvalidArgument(f"A fence is a non-negative int, not {n!r}.")
+    if n >= 10**FENCE_DIGITS:
+        raise Internal(f"Fence counter {n} does not fit in {FENCE_DIGITS} digits.")
+    return str(n).zfill(FENCE_DIGITS)
+
+
+def validate_fence(fence: Any) -> str:
+    """Return ``fence`` if it is a 15-digit string, else raise ``InvalidArgument``."""
+    if not isinstance(fence, str) or not _FENCE_RE.fullmatch(fence):
+        raise InvalidArgument(f"A fence is a string of {FENCE_DIGITS} digits, not {fence!r}.")
+    return fence
+
+
+def fence_overflow_error(key: str) -> Internal:
+    """The error a backend raises instead of handing out a fence above ``FENCE_MAX``.
+
+    The backend must raise it before committing anything: no lock is taken and the
+    counter does not move.
+    """
+    return Internal(
+        f"Fence counter of this key would pass {FENCE_THRESHOLDS['MAX']}; the lock was "
+        "not taken. Rotate to a new key namespace (never reset a fence counter).",
+        {"key": key},
+    )
+
+
+def check_fence(fence: str, key: str) -> str:
+    """Validate a fence a backend handed out; warn once per key above ``FENCE_WARN``.
+
+    A backend that let a fence above ``FENCE_MAX`` through would be a bug: it is
+    reported as ``Internal``.
+    """
+    value = int(validate_fence(fence))
+    if value > FENCE_MAX:
+        raise fence_overflow_error(key)
+    if value > FENCE_WARN:
+        digest = hash_key(key)
+        with _warned_lock:
+            first = digest not in _warned_keys
+            _warned_keys.add(digest)
+        if first:
+            logger.warning(
+                "Lock fence %s of key %s is above the warning threshold %s; plan a key "
+                "namespace rotation before it reaches %s.",
+                fence,
+                digest,
+                FENCE_THRESHOLDS["WARN"],
+                FENCE_THRESHOLDS["MAX"],
+            )
+    return fence
+
+
+def fenced_update(queryset: Any, fence: str, *, field: str = "fence", **updates: Any) -> int:
+    """Apply ``updates`` plus ``field=fence`` to the rows of ``queryset`` whose stored
+    fence is NULL or not newer than ``fence``, in one UPDATE statement.
+
+    Returns the number of rows written. When nothing was written but a row of the
+    queryset holds a newer fence, raises :class:`StaleFenceError`: the caller's lock
+    expired and a later holder has already written. An equal fence is the same holder
+    writing again and is applied. Works with a ``CharField`` fence (the 15-digit
+    string) or an integer field (its value).
+    """
+    from django.core.exceptions import FieldDoesNotExist
+    from django.db import models
+
+    validate_fence(fence)
+    try:
+        model_field = queryset.model._meta.get_field(field)
+    except FieldDoesNotExist as exc:
+        raise InvalidArgument(
+            f"{queryset.model.__name__} has no field {field!r} to hold the fence."
+        ) from exc
+    if isinstance(model_field, models.IntegerField):
+        stored: Any = int(fence)
+    else:
+        stored = fence
+    applies = models.Q(**{f"{field}__isnull": True}) | models.Q(**{f"{field}__lte": stored})
+    written = int(queryset.filter(applies).update(**{**updates, field: stored}))
+    if written == 0 and queryset.filter(**{f"{field}__gt": stored}).exists():
+        raise StaleFenceError(fence)
+    return written

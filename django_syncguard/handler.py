@@ -1,0 +1,133 @@
+"""``locks``: one backend per alias of ``SYNCGUARD_BACKENDS``, like ``caches``.
+
+Unlike Django's cache handler, backends are shared by every thread of the process
+(a lock backend owns a thread-safe pool or store; one per thread would defeat it).
+Settings are read on first use, never at import, and re-read when a test overrides
+``SYNCGUARD_BACKENDS``.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from django.core.exceptions import ImproperlyConfigured
+from django.core.signals import setting_changed
+from django.dispatch import receiver
+from django.utils.connection import BaseConnectionHandler
+from django.utils.module_loading import import_string
+
+from .backends.base import BaseLockBackend
+
+DEFAULT_ALIAS = "default"
+SETTINGS_NAME = "SYNCGUARD_BACKENDS"
+
+#: What an absent ``SYNCGUARD_BACKENDS`` means: locks in ``DATABASES["default"]``.
+DEFAULT_BACKENDS: dict[str, dict[str, Any]] = {
+    DEFAULT_ALIAS: {
+        "BACKEND": "django_syncguard.backends.database.DatabaseBackend",
+        "OPTIONS": {"DATABASE": "default"},
+    }
+}
+
+#: The pip extra each bundled backend needs, for error messages.
+BACKEND_EXTRAS = {
+    "django_syncguard.backends.redis.RedisBackend": "redis",
+    "django_syncguard.backends.firestore.FirestoreBackend": "firestore",
+}
+
+
+class InvalidBackendError(ImproperlyConfigured):
+    """An alias is unknown, or its ``BACKEND`` cannot be imported or built."""
+
+
+class _Shared:
+    """Attribute storage shared by all threads (the base handler keeps one per thread)."""
+
+
+class LockHandler(BaseConnectionHandler):
+    """Builds and caches one backend per alias; ``locks["redis"]``."""
+
+    settings_name = SETTINGS_NAME
+    exception_class = InvalidBackendError
+
+    def __init__(self, settings: dict[str, Any] | None = None) -> None:
+        super().__init__(settings)
+        self._connections = _Shared()
+        self._mutex = threading.RLock()
+
+    def configure_settings(self, settings: dict[str, Any] | None) -> dict[str, Any]:
+        if settings is None:
+            from django.conf import settings as django_settings
+
+            settings = getattr(django_settings, SETTINGS_NAME, None) or DEFAULT_BACKENDS
+        if not isinstance(settings, dict):
+            raise InvalidBackendError(f"{SETTINGS_NAME} must be a dict of alias -> config.")
+        return settings
+
+    def __getitem__(self, alias: str) -> BaseLockBackend:
+        backend = getattr(self._connections, alias, None)
+        if backend is not None:
+            return backend
+        with self._mutex:
+            backend = getattr(self._connections, alias, None)
+            if backend is None:
+                if alias not in self.settings:
+                    known = ", ".join(repr(a) for a in self.settings) or "none"
+                    raise InvalidBackendError(
+                        f"No lock backend alias {alias!r} in {SETTINGS_NAME} (configured: {known})."
+                    )
+                backend = self.create_connection(alias)
+                setattr(self._connections, alias, backend)
+        return backend
+
+    def create_connection(self, alias: str) -> BaseLockBackend:
+        params = dict(self.settings[alias])
+        path = params.get("BACKEND")
+        if not path:
+            raise InvalidBackendError(f"{SETTINGS_NAME}[{alias!r}] has no 'BACKEND'.")
+        try:
+            backend_cls = import_string(path)
+        except ImportError as exc:
+            raise InvalidBackendError(backend_import_message(alias, path, exc)) from exc
+        if not (isinstance(backend_cls, type) and issubclass(backend_cls, BaseLockBackend)):
+            raise InvalidBackendError(
+                f"{SETTINGS_NAME}[{alias!r}]['BACKEND'] = {path!r} is not a lock backend "
+                "(a subclass of django_syncguard.backends.base.BaseLockBackend)."
+            )
+        backend: BaseLockBackend = backend_cls(alias, params)
+        return backend
+
+    def all(self, initialized_only: bool = False) -> list[BaseLockBackend]:
+        return [
+            self[alias]
+            for alias in self
+            if not initialized_only or hasattr(self._connections, alias)
+        ]
+
+    def close_all(self) -> None:
+        for backend in self.all(initialized_only=True):
+            backend.close()
+
+    def reset(self) -> None:
+        """Close every backend and forget the settings (used on ``setting_changed``)."""
+        with self._mutex:
+            self.close_all()
+            self._connections = _Shared()
+            self.__dict__.pop("settings", None)
+            self._settings = None
+
+
+def backend_import_message(alias: str, path: str, exc: ImportError) -> str:
+    extra = BACKEND_EXTRAS.get(path)
+    hint = f' Install it with: pip install "django-syncguard[{extra}]".' if extra else ""
+    return f"{SETTINGS_NAME}[{alias!r}]['BACKEND'] = {path!r} cannot be imported: {exc}.{hint}"
+
+
+locks = LockHandler()
+
+
+@receiver(setting_changed)
+def _reset_on_setting_changed(*, setting: str, **kwargs: Any) -> None:
+    if setting == SETTINGS_NAME:
+        locks.reset()

@@ -1,0 +1,79 @@
+"""``lock()`` and ``alock()``: run a function while holding a lock."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+from .backends.base import BaseLockBackend
+from .constants import BACKEND_DEFAULTS, LOCK_DEFAULTS
+from .leases import LockSpec, ReleaseErrorHandler
+from .retry import Backoff, Jitter, RetryPolicy
+
+T = TypeVar("T")
+
+
+def lock(
+    fn: Callable[[], T],
+    *,
+    key: str,
+    using: str | BaseLockBackend = "default",
+    ttl_ms: int = BACKEND_DEFAULTS["ttl_ms"],
+    max_retries: int = LOCK_DEFAULTS["max_retries"],
+    retry_delay_ms: float = LOCK_DEFAULTS["retry_delay_ms"],
+    timeout_ms: float = LOCK_DEFAULTS["timeout_ms"],
+    backoff: Backoff = LOCK_DEFAULTS["backoff"],
+    jitter: Jitter = LOCK_DEFAULTS["jitter"],
+    cancel: Any = None,
+    on_release_error: ReleaseErrorHandler | None = None,
+    auto_extend: bool = False,
+) -> T:
+    """Acquire ``key`` (retrying on contention), call ``fn()``, release, return its result.
+
+    Raises ``AcquisitionTimeout`` when the lock stays held past ``timeout_ms`` or
+    ``max_retries + 1`` attempts. The release always runs; its errors go to
+    ``on_release_error(error, {"key", "lock_id"})`` (or the log) and never replace
+    ``fn``'s result or exception. ``current_lock()`` is the lease inside ``fn``.
+    """
+    spec = LockSpec(
+        using=using,
+        ttl_ms=ttl_ms,
+        policy=RetryPolicy(max_retries, retry_delay_ms, timeout_ms, backoff, jitter),
+        cancel=cancel,
+        on_release_error=on_release_error,
+        auto_extend=auto_extend,
+    )
+    with spec.hold(key):
+        return fn()
+
+
+async def alock(
+    fn: Callable[[], Awaitable[T]],
+    *,
+    key: str,
+    using: str | BaseLockBackend = "default",
+    ttl_ms: int = BACKEND_DEFAULTS["ttl_ms"],
+    max_retries: int = LOCK_DEFAULTS["max_retries"],
+    retry_delay_ms: float = LOCK_DEFAULTS["retry_delay_ms"],
+    timeout_ms: float = LOCK_DEFAULTS["timeout_ms"],
+    backoff: Backoff = LOCK_DEFAULTS["backoff"],
+    jitter: Jitter = LOCK_DEFAULTS["jitter"],
+    cancel: Any = None,
+    on_release_error: ReleaseErrorHandler | None = None,
+    auto_extend: bool = False,
+) -> T:
+    """Async twin of :func:`lock`: ``fn`` is a coroutine function (or returns an awaitable)."""
+    spec = LockSpec(
+        using=using,
+        ttl_ms=ttl_ms,
+        policy=RetryPolicy(max_retries, retry_delay_ms, timeout_ms, backoff, jitter),
+        cancel=cancel,
+        on_release_error=on_release_error,
+        auto_extend=auto_extend,
+    )
+    async with spec.ahold(key):
+        outcome = fn()
+        if inspect.isawaitable(outcome):
+            return await outcome
+        return outcome  # type: ignore[return-value]

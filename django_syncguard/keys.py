@@ -1,0 +1,107 @@
+"""Keys and lock ids: validation, storage keys, hashes.
+
+Every backend calls these; none re-implements them.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import re
+import secrets
+import unicodedata
+from typing import Any
+
+from .constants import MAX_KEY_LENGTH_BYTES
+from .errors import InvalidArgument
+
+_LOCK_ID_RE = re.compile(r"[A-Za-z0-9_-]{22}")
+
+
+def normalize_and_validate_key(key: Any) -> str:
+    """Return ``key`` in NFC form, or raise ``InvalidArgument``.
+
+    A key must be a non-empty ``str`` of at most ``MAX_KEY_LENGTH_BYTES`` UTF-8
+    bytes after normalisation, and encodable as UTF-8 (no lone surrogates).
+    """
+    if not isinstance(key, str):
+        raise InvalidArgument(f"Key must be a str, not {type(key).__name__}.")
+    if not key:
+        raise InvalidArgument("Key must not be empty.")
+    normalized = unicodedata.normalize("NFC", key)
+    try:
+        size = len(normalized.encode("utf-8"))
+    except UnicodeEncodeError as exc:
+        raise InvalidArgument("Key is not valid Unicode (it holds a lone surrogate).") from exc
+    if size > MAX_KEY_LENGTH_BYTES:
+        raise InvalidArgument(
+            f"Key is {size} bytes after NFC normalisation; the limit is "
+            f"{MAX_KEY_LENGTH_BYTES} bytes."
+        )
+    return normalized
+
+
+def validate_lock_id(lock_id: Any) -> str:
+    """Return ``lock_id`` if it is 22 base64url characters, else raise ``InvalidArgument``.
+
+    The message never repeats the value: a lock id is a bearer credential.
+    """
+    if not isinstance(lock_id, str):
+        raise InvalidArgument(f"Lock id must be a str, not {type(lock_id).__name__}.")
+    if not _LOCK_ID_RE.fullmatch(lock_id):
+        raise InvalidArgument(
+            f"Malformed lock id ({len(lock_id)} characters); expected 22 base64url characters."
+        )
+    return lock_id
+
+
+def generate_lock_id() -> str:
+    """Return a fresh lock id: 16 bytes from the OS CSPRNG, base64url without padding."""
+    return _b64url(secrets.token_bytes(16))
+
+
+def hash_key(value: str) -> str:
+    """Return the sanitized identifier of a key or lock id.
+
+    SHA-256 over the UTF-8 of the NFC form, first 24 lowercase hex characters (96 bits).
+    """
+    data = unicodedata.normalize("NFC", value).encode("utf-8", "surrogatepass")
+    return hashlib.sha256(data).hexdigest()[:24]
+
+
+def make_storage_key(prefix: str, key: str, limit_bytes: int, reserve_bytes: int) -> str:
+    """Return the name under which a backend stores ``key``.
+
+    ``prefix`` loses its trailing colons. When ``prefix:key`` (or just ``key`` with an
+    empty prefix) plus ``reserve_bytes`` fits in ``limit_bytes`` it is used as is;
+    otherwise the key part becomes the base64url of the first 16 bytes of SHA-256 over
+    the whole prefixed string. Raises ``InvalidArgument`` for an empty key or when
+    even the hashed form does not fit.
+    """
+    if not key:
+        raise InvalidArgument("Key must not be empty.")
+    prefix = prefix.rstrip(":")
+    head = f"{prefix}:" if prefix else ""
+    full = head + key
+    if len(full.encode("utf-8")) + reserve_bytes <= limit_bytes:
+        return full
+    hashed = head + _b64url(hashlib.sha256(full.encode("utf-8")).digest()[:16])
+    if len(hashed.encode("utf-8")) + reserve_bytes > limit_bytes:
+        raise InvalidArgument(
+            f"Key prefix is too long: even the hashed storage key exceeds {limit_bytes} bytes."
+        )
+    return hashed
+
+
+def make_fence_key(prefix: str, key: str, limit_bytes: int, reserve_bytes: int) -> str:
+    """Return the fence-counter name of ``key``: ``fence:`` + its base storage key.
+
+    Two steps, so that a truncated lock key and its fence key hash identically and
+    every distinct user key owns exactly one counter.
+    """
+    base = make_storage_key(prefix, key, limit_bytes, reserve_bytes)
+    return make_storage_key(prefix, f"fence:{base}", limit_bytes, reserve_bytes)
+
+
+def _b64url(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode("ascii")

@@ -1,0 +1,294 @@
+"""Leases: a held lock as the helpers hand it to your code.
+
+A :class:`Lease` is what ``with locked(...) as lease`` yields and what
+:func:`current_lock` returns inside a decorated view or task. It knows its key,
+lock id and fence, can be extended or released, and, with ``auto_extend=True``,
+renews itself in the background every third of its TTL. A lease whose lock is gone
+(a renewal or explicit extend found it expired, or it had expired by release time)
+is *lost*: ``lease.lost`` is true and a warning is logged. Writes guarded by its
+fence will then be rejected by :func:`~django_syncguard.fencing.fenced_update`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any
+
+from .backends.base import BaseLockBackend, validate_ttl
+from .cancellation import CancelToken, validate_cancel
+from .constants import BACKEND_DEFAULTS
+from .errors import InvalidArgument, LockError
+from .keys import hash_key, normalize_and_validate_key
+from .results import AcquireResult, ExtendResult, ReleaseResult
+from .retry import RetryPolicy, aacquire_with_retry, acquire_with_retry
+
+logger = logging.getLogger("django_syncguard.leases")
+
+ReleaseErrorHandler = Callable[[BaseException, dict[str, str]], Any]
+
+_held: ContextVar[tuple[Lease, ...]] = ContextVar("django_syncguard_held", default=())
+
+
+def current_lock() -> Lease | None:
+    """The innermost lease held by the running code (thread or task), or ``None``."""
+    held = _held.get()
+    return held[-1] if held else None
+
+
+class Lease:
+    """A lock held through ``lock()`` / ``locked()``; see the module docstring."""
+
+    def __init__(
+        self, backend: BaseLockBackend, key: str, result: AcquireResult, ttl_ms: int
+    ) -> None:
+        assert result.ok and result.lock_id is not None and result.expires_at_ms is not None
+        self.backend = backend
+        self.key = key
+        self.lock_id: str = result.lock_id
+        self.fence: str | None = result.fence
+        self.expires_at_ms: int = result.expires_at_ms
+        self.ttl_ms = ttl_ms
+        self._mutex = threading.Lock()
+        self._released = False
+        self._lost = False
+        # Local estimate of the expiry, for giving up on renewal after errors.
+        self._deadline = time.monotonic() + ttl_ms / 1000
+        self._renewer: _ThreadRenewer | None = None
+        self._arenewer: asyncio.Task[None] | None = None
+
+    def __repr__(self) -> str:
+        state = "released" if self._released else "lost" if self._lost else "held"
+        return f"<Lease key={self.key!r} fence={self.fence} {state}>"
+
+    @property
+    def lost(self) -> bool:
+        """True once the lock is known to be gone while this lease still counted on it."""
+        return self._lost
+
+    @property
+    def released(self) -> bool:
+        return self._released
+
+    # ------------------------------------------------------------------ extend
+    def extend(self, ttl_ms: int | None = None) -> ExtendResult:
+        """Reset the expiry to now + ``ttl_ms`` (default: the lease's TTL)."""
+        ttl = validate_ttl(self.ttl_ms if ttl_ms is None else ttl_ms)
+        return self._extended(self.backend.extend(self.lock_id, ttl), ttl)
+
+    async def aextend(self, ttl_ms: int | None = None) -> ExtendResult:
+        ttl = validate_ttl(self.ttl_ms if ttl_ms is None else ttl_ms)
+        return self._extended(await self.backend.aextend(self.lock_id, ttl), ttl)
+
+    def _extended(self, result: ExtendResult, ttl_ms: int) -> ExtendResult:
+        if result.ok and result.expires_at_ms is not None:
+            self.expires_at_ms = result.expires_at_ms
+            self._deadline = time.monotonic() + ttl_ms / 1000
+        elif not self._released:
+            self._mark_lost("the lock had expired when extending it")
+        return result
+
+    # ----------------------------------------------------------------- release
+    def release(self) -> ReleaseResult:
+        """Release the lock. A second call returns ``ok=False`` without I/O."""
+        if not self._begin_release():
+            return ReleaseResult(ok=False)
+        if self._renewer is not None:
+            self._renewer.stop()
+        return self._released_result(self.backend.release(self.lock_id))
+
+    async def arelease(self) -> ReleaseResult:
+        if not self._begin_release():
+            return ReleaseResult(ok=False)
+        if self._arenewer is not None:
+            self._arenewer.cancel()
+            await asyncio.gather(self._arenewer, return_exceptions=True)
+        if self._renewer is not None:
+            await asyncio.to_thread(self._renewer.stop)
+        return self._released_result(await self.backend.arelease(self.lock_id))
+
+    def _begin_release(self) -> bool:
+        with self._mutex:
+            first = not self._released
+            self._released = True
+        return first
+
+    def _released_result(self, result: ReleaseResult) -> ReleaseResult:
+        if not result.ok:
+            self._mark_lost("the lock had expired before it was released")
+        return result
+
+    # ----------------------------------------------------------------- renewal
+    def start_renewal(self, *, asynchronous: bool = False) -> None:
+        """Renew every third of the TTL until released (a thread, or a task)."""
+        interval = self.ttl_ms / 3000
+        if asynchronous:
+            self._arenewer = asyncio.get_running_loop().create_task(self._arenew(interval))
+        else:
+            self._renewer = _ThreadRenewer(self, interval)
+            self._renewer.start()
+
+    def _renew_outcome(self, result: ExtendResult | None, error: LockError | None) -> bool:
+        """Record one renewal; return whether to keep renewing."""
+        if self._released:
+            return False
+        if error is None and result is not None:
+            self._extended(result, self.ttl_ms)
+            return result.ok
+        if time.monotonic() >= self._deadline:
+            self._mark_lost(f"renewal kept failing ({error.code if error else '?'}) until expiry")
+            return False
+        logger.warning(
+            "Renewing the lock on key %s failed (%s); retrying.",
+            hash_key(self.key),
+            error.code if error else "?",
+        )
+        return True
+
+    def _renew_once(self) -> bool:
+        try:
+            return self._renew_outcome(self.backend.extend(self.lock_id, self.ttl_ms), None)
+        except LockError as exc:
+            return self._renew_outcome(None, exc)
+
+    async def _arenew(self, interval: float) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                result = await self.backend.aextend(self.lock_id, self.ttl_ms)
+                keep = self._renew_outcome(result, None)
+            except LockError as exc:
+                keep = self._renew_outcome(None, exc)
+            if not keep:
+                return
+
+    def _mark_lost(self, why: str) -> None:
+        with self._mutex:
+            first = not self._lost
+            self._lost = True
+        if first:
+            logger.warning(
+                "Lost the lock on key %s (fence %s): %s. Writes fenced with this fence "
+                "will be rejected.",
+                hash_key(self.key),
+                self.fence,
+                why,
+            )
+
+
+class _ThreadRenewer(threading.Thread):
+    def __init__(self, lease: Lease, interval: float) -> None:
+        super().__init__(name=f"syncguard-renew-{hash_key(lease.key)[:8]}", daemon=True)
+        self.lease = lease
+        self.interval = interval
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        while not self._stop_event.wait(self.interval):
+            if not self.lease._renew_once():
+                return
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        if self is not threading.current_thread():
+            self.join()
+
+
+def resolve_backend(using: str | BaseLockBackend) -> BaseLockBackend:
+    """An alias of ``SYNCGUARD_BACKENDS``, or a backend object used as it is."""
+    if isinstance(using, str):
+        from .handler import locks
+
+        return locks[using]
+    return using
+
+
+@dataclass(frozen=True)
+class LockSpec:
+    """Validated options of one ``lock()`` / ``locked()``; reads no settings."""
+
+    using: str | BaseLockBackend = "default"
+    ttl_ms: int = BACKEND_DEFAULTS["ttl_ms"]
+    policy: RetryPolicy = RetryPolicy()
+    cancel: CancelToken | None = None
+    on_release_error: ReleaseErrorHandler | None = None
+    auto_extend: bool = False
+
+    def __post_init__(self) -> None:
+        validate_ttl(self.ttl_ms)
+        validate_cancel(self.cancel)
+        if not isinstance(self.using, str) and not callable(getattr(self.using, "acquire", None)):
+            raise InvalidArgument("using must be an alias of SYNCGUARD_BACKENDS or a backend.")
+        if self.on_release_error is not None and not callable(self.on_release_error):
+            raise InvalidArgument("on_release_error must be callable.")
+        if not isinstance(self.auto_extend, bool):
+            raise InvalidArgument("auto_extend must be True or False.")
+
+    @contextmanager
+    def hold(self, key: str) -> Iterator[Lease]:
+        """Acquire (with retries), yield the lease, always release."""
+        key = normalize_and_validate_key(key)
+        backend = resolve_backend(self.using)
+        result = acquire_with_retry(
+            lambda: backend.acquire(key, self.ttl_ms, cancel=self.cancel),
+            self.policy,
+            key=key,
+            cancel=self.cancel,
+        )
+        lease = Lease(backend, key, result, self.ttl_ms)
+        if self.auto_extend:
+            lease.start_renewal()
+        token = _held.set((*_held.get(), lease))
+        try:
+            yield lease
+        finally:
+            _held.reset(token)
+            # The caller's cancel must not stop the release: it would leave the lock held.
+            try:
+                lease.release()
+            except Exception as exc:
+                self._release_failed(exc, lease)
+
+    @asynccontextmanager
+    async def ahold(self, key: str) -> AsyncIterator[Lease]:
+        key = normalize_and_validate_key(key)
+        backend = resolve_backend(self.using)
+        result = await aacquire_with_retry(
+            lambda: backend.aacquire(key, self.ttl_ms, cancel=self.cancel),
+            self.policy,
+            key=key,
+            cancel=self.cancel,
+        )
+        lease = Lease(backend, key, result, self.ttl_ms)
+        if self.auto_extend:
+            lease.start_renewal(asynchronous=True)
+        token = _held.set((*_held.get(), lease))
+        try:
+            yield lease
+        finally:
+            _held.reset(token)
+            try:
+                # Shielded: a cancelled task still releases its lock.
+                await asyncio.shield(lease.arelease())
+            except Exception as exc:
+                self._release_failed(exc, lease)
+
+    def _release_failed(self, exc: BaseException, lease: Lease) -> None:
+        """Report a release error without masking the critical section's outcome."""
+        if self.on_release_error is None:
+            logger.warning(
+                "Releasing the lock on key %s failed: %r. It will expire by its TTL.",
+                hash_key(lease.key),
+                exc,
+            )
+            return
+        try:
+            self.on_release_error(exc, {"key": lease.key, "lock_id": lease.lock_id})
+        except Exception:
+            logger.exception("on_release_error raised; ignored.")

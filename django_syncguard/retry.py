@@ -1,0 +1,156 @@
+"""The acquisition retry loop of ``lock()`` / ``locked()``.
+
+Backends try once (ADR-009); this module retries on contention with the
+specification's formulas. With ``attempt`` the 1-based number of failed attempts::
+
+    exponential: base = retry_delay_ms * 2 ** (attempt - 1)
+    fixed:       base = retry_delay_ms
+    equal jitter: delay = base / 2 + random() * base / 2
+    full jitter:  delay = random() * base
+    no jitter:    delay = base
+
+then ``delay = min(delay, timeout_ms - elapsed)``. Total attempts are at most
+``max_retries + 1``; once the time is used up (or the attempts are), the loop raises
+``AcquisitionTimeout``. A delay of 0 (``retry_delay_ms=0``) retries at once rather
+than ending the loop: only elapsed time ends it.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from .cancellation import CancelToken, asleep, sleep
+from .constants import LOCK_DEFAULTS
+from .errors import AcquisitionTimeout, InvalidArgument
+from .results import AcquireResult
+
+Backoff = Literal["exponential", "fixed"]
+Jitter = Literal["equal", "full", "none"]
+
+# 2.0 ** 1023 is the largest power of two a float holds; past it the delay would be
+# clamped to the remaining time anyway.
+_MAX_EXPONENT = 1000
+
+_rng = random.Random()
+
+
+@dataclass(frozen=True, slots=True)
+class RetryPolicy:
+    """Validated retry options; ``InvalidArgument`` on construction when malformed."""
+
+    max_retries: int = LOCK_DEFAULTS["max_retries"]
+    retry_delay_ms: float = LOCK_DEFAULTS["retry_delay_ms"]
+    timeout_ms: float = LOCK_DEFAULTS["timeout_ms"]
+    backoff: Backoff = LOCK_DEFAULTS["backoff"]
+    jitter: Jitter = LOCK_DEFAULTS["jitter"]
+
+    def __post_init__(self) -> None:
+        if _not_number(self.max_retries, integral=True) or self.max_retries < 0:
+            raise InvalidArgument(f"max_retries must be an int >= 0, not {self.max_retries!r}.")
+        if _not_number(self.retry_delay_ms) or self.retry_delay_ms < 0:
+            raise InvalidArgument(
+                f"retry_delay_ms must be a number >= 0, not {self.retry_delay_ms!r}."
+            )
+        if _not_number(self.timeout_ms) or self.timeout_ms <= 0:
+            raise InvalidArgument(f"timeout_ms must be a number > 0, not {self.timeout_ms!r}.")
+        if self.backoff not in ("exponential", "fixed"):
+            raise InvalidArgument(
+                f"backoff must be 'exponential' or 'fixed', not {self.backoff!r}."
+            )
+        if self.jitter not in ("equal", "full", "none"):
+            raise InvalidArgument(f"jitter must be 'equal', 'full' or 'none', not {self.jitter!r}.")
+
+    def delay_ms(self, attempt: int, rng: Callable[[], float]) -> float:
+        """Delay before retrying after the ``attempt``-th failed attempt (1-based),
+        before clamping to the remaining time."""
+        if self.backoff == "exponential":
+            base = self.retry_delay_ms * 2.0 ** min(attempt - 1, _MAX_EXPONENT)
+        else:
+            base = float(self.retry_delay_ms)
+        if self.jitter == "equal":
+            return base / 2 + rng() * (base / 2)
+        if self.jitter == "full":
+            return rng() * base
+        return base
+
+
+def _not_number(value: Any, *, integral: bool = False) -> bool:
+    kinds: tuple[type, ...] = (int,) if integral else (int, float)
+    return isinstance(value, bool) or not isinstance(value, kinds) or value != value
+
+
+@dataclass
+class _Loop:
+    """The bookkeeping shared by the sync and async loops."""
+
+    policy: RetryPolicy
+    clock: Callable[[], float]
+    rng: Callable[[], float]
+    key: str
+    attempt: int = 0
+    started: float = 0.0
+
+    def start(self) -> None:
+        self.started = self.clock()
+
+    def next_delay_s(self) -> float:
+        """After a failed attempt: seconds to wait, or ``AcquisitionTimeout``."""
+        self.attempt += 1
+        attempts = self.attempt
+        if attempts > self.policy.max_retries:
+            raise AcquisitionTimeout(
+                f"Lock still held after {attempts} attempts (max_retries="
+                f"{self.policy.max_retries}).",
+                {"key": self.key},
+            )
+        remaining = self.policy.timeout_ms - (self.clock() - self.started) * 1000
+        if remaining <= 0:
+            raise AcquisitionTimeout(
+                f"Lock still held after {self.policy.timeout_ms:g} ms ({attempts} attempts).",
+                {"key": self.key},
+            )
+        return min(self.policy.delay_ms(attempts, self.rng), remaining) / 1000
+
+
+def acquire_with_retry(
+    acquire: Callable[[], AcquireResult],
+    policy: RetryPolicy,
+    *,
+    key: str,
+    cancel: CancelToken | None = None,
+    clock: Callable[[], float] = time.monotonic,
+    sleeper: Callable[[float, CancelToken | None], None] = sleep,
+    rng: Callable[[], float] = _rng.random,
+) -> AcquireResult:
+    """Call ``acquire`` until it succeeds, backing off between attempts."""
+    loop = _Loop(policy, clock, rng, key)
+    loop.start()
+    while True:
+        result = acquire()
+        if result.ok:
+            return result
+        sleeper(loop.next_delay_s(), cancel)
+
+
+async def aacquire_with_retry(
+    acquire: Callable[[], Awaitable[AcquireResult]],
+    policy: RetryPolicy,
+    *,
+    key: str,
+    cancel: CancelToken | None = None,
+    clock: Callable[[], float] = time.monotonic,
+    sleeper: Callable[[float, CancelToken | None], Awaitable[None]] = asleep,
+    rng: Callable[[], float] = _rng.random,
+) -> AcquireResult:
+    """Async twin of :func:`acquire_with_retry`."""
+    loop = _Loop(policy, clock, rng, key)
+    loop.start()
+    while True:
+        result = await acquire()
+        if result.ok:
+            return result
+        await sleeper(loop.next_delay_s(), cancel)

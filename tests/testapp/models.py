@@ -1,0 +1,16 @@
+from django.db import models
+
+
+class Account(models.Model):
+    """A row protected by fenced writes (fence stored as the 15-digit string)."""
+
+    name = models.CharField(max_length=50, unique=True)
+    balance = models.IntegerField(default=0)
+    fence = models.CharField(max_length=15, null=True, blank=True)
+
+
+class Ledger(models.Model):
+    """Same idea with an integer fence column."""
+
+    total = models.IntegerField(default=0)
+    version = models.BigIntegerField(null=True)

@@ -1,0 +1,8 @@
+from django.urls import path
+
+from tests.testapp import views
+
+urlpatterns = [
+    path("invoices/<int:pk>/pay/", views.pay_invoice),
+    path("async/invoices/<int:pk>/pay/", views.apay_invoice),
+]
