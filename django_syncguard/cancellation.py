@@ -7,8 +7,9 @@ Any object with an ``is_set()`` method works (``threading.Event``,
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, cast, runtime_checkable
 
 from .errors import Aborted, InvalidArgument
 
@@ -25,13 +26,13 @@ def validate_cancel(cancel: Any) -> CancelToken | None:
             f"cancel must have an is_set() method (e.g. threading.Event), not "
             f"{type(cancel).__name__}."
         )
-    return cancel
+    return cast(CancelToken | None, cancel)
 
 
 def check_cancel(cancel: CancelToken | None, context: dict[str, Any] | None = None) -> None:
     """Raise ``Aborted`` when ``cancel`` is set. Backends call it at their check points."""
     if cancel is not None and cancel.is_set():
-        raise Aborted("Operation cancelled by the caller.", context)
+        raise Aborted("Operation cancelled by the caller.", context=context)
 
 
 def sleep(seconds: float, cancel: CancelToken | None) -> None:
@@ -47,10 +48,8 @@ def sleep(seconds: float, cancel: CancelToken | None) -> None:
 async def asleep(seconds: float, cancel: CancelToken | None) -> None:
     """Async twin of :func:`sleep`; an ``asyncio.Event`` wakes it early."""
     if isinstance(cancel, asyncio.Event):
-        try:
+        with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(cancel.wait(), seconds)
-        except TimeoutError:
-            pass
     else:
         await asyncio.sleep(seconds)
     check_cancel(cancel)

@@ -15,24 +15,31 @@ MAX_KEY_LENGTH_BYTES: Final = 512
 #: A lock stays live until ``expires_at_ms + TIME_TOLERANCE_MS`` on every backend.
 TIME_TOLERANCE_MS: Final = 1000
 
+DEFAULT_TTL_MS: Final = 30_000
+
 #: Defaults every backend operation applies.
-BACKEND_DEFAULTS: Final = MappingProxyType({"ttl_ms": 30_000})
+BACKEND_DEFAULTS: Final = MappingProxyType({"ttl_ms": DEFAULT_TTL_MS})
+
+
+DEFAULT_MAX_RETRIES: Final = 10
+DEFAULT_RETRY_DELAY_MS: Final = 100
+DEFAULT_TIMEOUT_MS: Final = 5_000
+DEFAULT_BACKOFF: Final = "exponential"
+DEFAULT_JITTER: Final = "equal"
 
 #: Defaults of the ``lock()`` / ``locked()`` retry loop.
 LOCK_DEFAULTS: Final = MappingProxyType(
     {
-        "max_retries": 10,
-        "retry_delay_ms": 100,
-        "timeout_ms": 5_000,
-        "backoff": "exponential",
-        "jitter": "equal",
+        "max_retries": DEFAULT_MAX_RETRIES,
+        "retry_delay_ms": DEFAULT_RETRY_DELAY_MS,
+        "timeout_ms": DEFAULT_TIMEOUT_MS,
+        "backoff": DEFAULT_BACKOFF,
+        "jitter": DEFAULT_JITTER,
     }
 )
 
 #: Fences above ``MAX`` are refused; fences above ``WARN`` log a warning.
-FENCE_THRESHOLDS: Final = MappingProxyType(
-    {"MAX": "900000000000000", "WARN": "090000000000000"}
-)
+FENCE_THRESHOLDS: Final = MappingProxyType({"MAX": "900000000000000", "WARN": "090000000000000"})
 
 #: Width of every fence string.
 FENCE_DIGITS: Final = 15

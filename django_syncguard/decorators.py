@@ -27,7 +27,14 @@ from types import TracebackType
 from typing import Any, TypeVar, cast
 
 from .backends.base import BaseLockBackend
-from .constants import BACKEND_DEFAULTS, LOCK_DEFAULTS
+from .constants import (
+    DEFAULT_BACKOFF,
+    DEFAULT_JITTER,
+    DEFAULT_MAX_RETRIES,
+    DEFAULT_RETRY_DELAY_MS,
+    DEFAULT_TIMEOUT_MS,
+    DEFAULT_TTL_MS,
+)
 from .errors import InvalidArgument
 from .keys import normalize_and_validate_key
 from .leases import Lease, LockSpec, ReleaseErrorHandler
@@ -50,12 +57,12 @@ class locked:  # noqa: N801 - used like a function, as contextlib's helpers are
         key_template: str,
         *,
         using: str | BaseLockBackend = "default",
-        ttl_ms: int = BACKEND_DEFAULTS["ttl_ms"],
-        max_retries: int = LOCK_DEFAULTS["max_retries"],
-        retry_delay_ms: float = LOCK_DEFAULTS["retry_delay_ms"],
-        timeout_ms: float = LOCK_DEFAULTS["timeout_ms"],
-        backoff: Backoff = LOCK_DEFAULTS["backoff"],
-        jitter: Jitter = LOCK_DEFAULTS["jitter"],
+        ttl_ms: int = DEFAULT_TTL_MS,
+        max_retries: int = DEFAULT_MAX_RETRIES,
+        retry_delay_ms: float = DEFAULT_RETRY_DELAY_MS,
+        timeout_ms: float = DEFAULT_TIMEOUT_MS,
+        backoff: Backoff = DEFAULT_BACKOFF,
+        jitter: Jitter = DEFAULT_JITTER,
         cancel: Any = None,
         on_release_error: ReleaseErrorHandler | None = None,
         auto_extend: bool = False,
@@ -122,9 +129,12 @@ class locked:  # noqa: N801 - used like a function, as contextlib's helpers are
             return self.key_template
         bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()
-        extra = next(
-            (bound.arguments[p.name] for p in signature.parameters.values()
-             if p.kind is p.VAR_KEYWORD),
+        extra: Mapping[str, Any] = next(
+            (
+                bound.arguments[p.name]
+                for p in signature.parameters.values()
+                if p.kind is p.VAR_KEYWORD
+            ),
             {},
         )
 
@@ -135,7 +145,9 @@ class locked:  # noqa: N801 - used like a function, as contextlib's helpers are
             elif root in extra:
                 value = extra[root]
             else:
-                raise InvalidArgument(f"Key placeholder <{match.group(1)}> has no value in this call.")
+                raise InvalidArgument(
+                    f"Key placeholder <{match.group(1)}> has no value in this call."
+                )
             for name in path:
                 value = _step(value, name, match.group(1))
             return str(value)

@@ -79,8 +79,10 @@ class LockError(SyncGuardError):
     ) -> None:
         fixed = type(self).fixed_code
         if fixed is not None and code not in (None, fixed):
-            # Called as ``Aborted("message", context)``: the first argument is the message.
-            code, message, context = fixed, code, message  # type: ignore[assignment]
+            # Called as ``Aborted("message"[, context])``: the first argument is the message.
+            if isinstance(message, dict) and context is None:
+                context = message
+            message, code = code, fixed
         code = code or fixed
         if code not in ERROR_CODES:
             raise ValueError(f"Unknown LockError code {code!r}; expected one of {ERROR_CODES}.")

@@ -50,7 +50,7 @@ def fence_overflow_error(key: str) -> Internal:
     return Internal(
         f"Fence counter of this key would pass {FENCE_THRESHOLDS['MAX']}; the lock was "
         "not taken. Rotate to a new key namespace (never reset a fence counter).",
-        {"key": key},
+        context={"key": key},
     )
 
 

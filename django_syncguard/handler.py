@@ -9,7 +9,7 @@ Settings are read on first use, never at import, and re-read when a test overrid
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from django.core.exceptions import ImproperlyConfigured
 from django.core.signals import setting_changed
@@ -37,6 +37,12 @@ BACKEND_EXTRAS = {
 }
 
 
+if TYPE_CHECKING:
+    _HandlerBase = BaseConnectionHandler[BaseLockBackend]
+else:  # Django's handler is generic only in django-stubs
+    _HandlerBase = BaseConnectionHandler
+
+
 class InvalidBackendError(ImproperlyConfigured):
     """An alias is unknown, or its ``BACKEND`` cannot be imported or built."""
 
@@ -45,7 +51,7 @@ class _Shared:
     """Attribute storage shared by all threads (the base handler keeps one per thread)."""
 
 
-class LockHandler(BaseConnectionHandler):
+class LockHandler(_HandlerBase):
     """Builds and caches one backend per alias; ``locks["redis"]``."""
 
     settings_name = SETTINGS_NAME
@@ -66,7 +72,7 @@ class LockHandler(BaseConnectionHandler):
         return settings
 
     def __getitem__(self, alias: str) -> BaseLockBackend:
-        backend = getattr(self._connections, alias, None)
+        backend: BaseLockBackend | None = getattr(self._connections, alias, None)
         if backend is not None:
             return backend
         with self._mutex:

@@ -7,7 +7,14 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from .backends.base import BaseLockBackend
-from .constants import BACKEND_DEFAULTS, LOCK_DEFAULTS
+from .constants import (
+    DEFAULT_BACKOFF,
+    DEFAULT_JITTER,
+    DEFAULT_MAX_RETRIES,
+    DEFAULT_RETRY_DELAY_MS,
+    DEFAULT_TIMEOUT_MS,
+    DEFAULT_TTL_MS,
+)
 from .leases import LockSpec, ReleaseErrorHandler
 from .retry import Backoff, Jitter, RetryPolicy
 
@@ -19,12 +26,12 @@ def lock(
     *,
     key: str,
     using: str | BaseLockBackend = "default",
-    ttl_ms: int = BACKEND_DEFAULTS["ttl_ms"],
-    max_retries: int = LOCK_DEFAULTS["max_retries"],
-    retry_delay_ms: float = LOCK_DEFAULTS["retry_delay_ms"],
-    timeout_ms: float = LOCK_DEFAULTS["timeout_ms"],
-    backoff: Backoff = LOCK_DEFAULTS["backoff"],
-    jitter: Jitter = LOCK_DEFAULTS["jitter"],
+    ttl_ms: int = DEFAULT_TTL_MS,
+    max_retries: int = DEFAULT_MAX_RETRIES,
+    retry_delay_ms: float = DEFAULT_RETRY_DELAY_MS,
+    timeout_ms: float = DEFAULT_TIMEOUT_MS,
+    backoff: Backoff = DEFAULT_BACKOFF,
+    jitter: Jitter = DEFAULT_JITTER,
     cancel: Any = None,
     on_release_error: ReleaseErrorHandler | None = None,
     auto_extend: bool = False,
@@ -53,12 +60,12 @@ async def alock(
     *,
     key: str,
     using: str | BaseLockBackend = "default",
-    ttl_ms: int = BACKEND_DEFAULTS["ttl_ms"],
-    max_retries: int = LOCK_DEFAULTS["max_retries"],
-    retry_delay_ms: float = LOCK_DEFAULTS["retry_delay_ms"],
-    timeout_ms: float = LOCK_DEFAULTS["timeout_ms"],
-    backoff: Backoff = LOCK_DEFAULTS["backoff"],
-    jitter: Jitter = LOCK_DEFAULTS["jitter"],
+    ttl_ms: int = DEFAULT_TTL_MS,
+    max_retries: int = DEFAULT_MAX_RETRIES,
+    retry_delay_ms: float = DEFAULT_RETRY_DELAY_MS,
+    timeout_ms: float = DEFAULT_TIMEOUT_MS,
+    backoff: Backoff = DEFAULT_BACKOFF,
+    jitter: Jitter = DEFAULT_JITTER,
     cancel: Any = None,
     on_release_error: ReleaseErrorHandler | None = None,
     auto_extend: bool = False,
@@ -76,4 +83,4 @@ async def alock(
         outcome = fn()
         if inspect.isawaitable(outcome):
             return await outcome
-        return outcome  # type: ignore[return-value]
+        return outcome

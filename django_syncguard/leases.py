@@ -18,12 +18,12 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .backends.base import BaseLockBackend, validate_ttl
 from .cancellation import CancelToken, validate_cancel
-from .constants import BACKEND_DEFAULTS
+from .constants import DEFAULT_TTL_MS
 from .errors import InvalidArgument, LockError
 from .keys import hash_key, normalize_and_validate_key
 from .results import AcquireResult, ExtendResult, ReleaseResult
@@ -214,8 +214,8 @@ class LockSpec:
     """Validated options of one ``lock()`` / ``locked()``; reads no settings."""
 
     using: str | BaseLockBackend = "default"
-    ttl_ms: int = BACKEND_DEFAULTS["ttl_ms"]
-    policy: RetryPolicy = RetryPolicy()
+    ttl_ms: int = DEFAULT_TTL_MS
+    policy: RetryPolicy = field(default_factory=RetryPolicy)
     cancel: CancelToken | None = None
     on_release_error: ReleaseErrorHandler | None = None
     auto_extend: bool = False

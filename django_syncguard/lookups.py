@@ -42,9 +42,7 @@ def owns(backend: BaseLockBackend, lock_id: str, *, cancel: Any = None) -> bool:
     return backend.lookup(lock_id=lock_id, cancel=cancel) is not None
 
 
-async def aget_by_key(
-    backend: BaseLockBackend, key: str, *, cancel: Any = None
-) -> LockInfo | None:
+async def aget_by_key(backend: BaseLockBackend, key: str, *, cancel: Any = None) -> LockInfo | None:
     return await backend.alookup(key=key, cancel=cancel)
 
 

@@ -24,7 +24,13 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from .cancellation import CancelToken, asleep, sleep
-from .constants import LOCK_DEFAULTS
+from .constants import (
+    DEFAULT_BACKOFF,
+    DEFAULT_JITTER,
+    DEFAULT_MAX_RETRIES,
+    DEFAULT_RETRY_DELAY_MS,
+    DEFAULT_TIMEOUT_MS,
+)
 from .errors import AcquisitionTimeout, InvalidArgument
 from .results import AcquireResult
 
@@ -42,11 +48,11 @@ _rng = random.Random()
 class RetryPolicy:
     """Validated retry options; ``InvalidArgument`` on construction when malformed."""
 
-    max_retries: int = LOCK_DEFAULTS["max_retries"]
-    retry_delay_ms: float = LOCK_DEFAULTS["retry_delay_ms"]
-    timeout_ms: float = LOCK_DEFAULTS["timeout_ms"]
-    backoff: Backoff = LOCK_DEFAULTS["backoff"]
-    jitter: Jitter = LOCK_DEFAULTS["jitter"]
+    max_retries: int = DEFAULT_MAX_RETRIES
+    retry_delay_ms: float = DEFAULT_RETRY_DELAY_MS
+    timeout_ms: float = DEFAULT_TIMEOUT_MS
+    backoff: Backoff = DEFAULT_BACKOFF
+    jitter: Jitter = DEFAULT_JITTER
 
     def __post_init__(self) -> None:
         if _not_number(self.max_retries, integral=True) or self.max_retries < 0:
@@ -105,13 +111,13 @@ class _Loop:
             raise AcquisitionTimeout(
                 f"Lock still held after {attempts} attempts (max_retries="
                 f"{self.policy.max_retries}).",
-                {"key": self.key},
+                context={"key": self.key},
             )
         remaining = self.policy.timeout_ms - (self.clock() - self.started) * 1000
         if remaining <= 0:
             raise AcquisitionTimeout(
                 f"Lock still held after {self.policy.timeout_ms:g} ms ({attempts} attempts).",
-                {"key": self.key},
+                context={"key": self.key},
             )
         return min(self.policy.delay_ms(attempts, self.rng), remaining) / 1000
 

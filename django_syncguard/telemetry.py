@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from .backends.base import BaseLockBackend
-from .constants import BACKEND_DEFAULTS
+from .constants import DEFAULT_TTL_MS
 from .keys import hash_key, normalize_and_validate_key
 from .results import AcquireResult, ExtendResult, LockInfoDebug, ReleaseResult
 
@@ -94,14 +94,14 @@ class TelemetryBackend(BaseLockBackend):
 
     # Each operation: forward, then report.
     def acquire(
-        self, key: str, ttl_ms: int = BACKEND_DEFAULTS["ttl_ms"], *, cancel: Any = None
+        self, key: str, ttl_ms: int = DEFAULT_TTL_MS, *, cancel: Any = None
     ) -> AcquireResult:
         result = self.inner.acquire(key, ttl_ms, cancel=cancel)
         self._acquired(key, result)
         return result
 
     async def aacquire(
-        self, key: str, ttl_ms: int = BACKEND_DEFAULTS["ttl_ms"], *, cancel: Any = None
+        self, key: str, ttl_ms: int = DEFAULT_TTL_MS, *, cancel: Any = None
     ) -> AcquireResult:
         result = await self.inner.aacquire(key, ttl_ms, cancel=cancel)
         self._acquired(key, result)

@@ -31,8 +31,18 @@ def no_io(backend, monkeypatch):
         raise AssertionError("storage I/O happened before validation failed")
 
     for name in (
-        "_acquire", "_release", "_extend", "_is_locked", "_lookup_by_key", "_lookup_by_id",
-        "_aacquire", "_arelease", "_aextend", "_ais_locked", "_alookup_by_key", "_alookup_by_id",
+        "_acquire",
+        "_release",
+        "_extend",
+        "_is_locked",
+        "_lookup_by_key",
+        "_lookup_by_id",
+        "_aacquire",
+        "_arelease",
+        "_aextend",
+        "_ais_locked",
+        "_alookup_by_key",
+        "_alookup_by_id",
     ):
         monkeypatch.setattr(backend, name, forbidden)
     return backend

@@ -190,7 +190,13 @@ def test_lookup_is_sanitized(backend, harness):
     assert by_key.fence == result.fence
     assert by_key.expires_at_ms == result.expires_at_ms
     assert by_key.expires_at_ms - by_key.acquired_at_ms == TTL
-    assert set(by_key.to_dict()) == {"keyHash", "lockIdHash", "expiresAtMs", "acquiredAtMs", "fence"}
+    assert set(by_key.to_dict()) == {
+        "keyHash",
+        "lockIdHash",
+        "expiresAtMs",
+        "acquiredAtMs",
+        "fence",
+    }
     assert "secret:42" not in repr(by_key) and result.lock_id not in repr(by_key)
 
 

@@ -18,7 +18,7 @@ from typing import Any, ClassVar, TypeVar
 from asgiref.sync import sync_to_async
 
 from ..cancellation import CancelToken, check_cancel, validate_cancel
-from ..constants import BACKEND_DEFAULTS
+from ..constants import DEFAULT_TTL_MS
 from ..errors import Internal, InvalidArgument
 from ..fencing import check_fence
 from ..keys import hash_key, normalize_and_validate_key, validate_lock_id
@@ -137,7 +137,7 @@ class BaseLockBackend:
 
     # ----------------------------------------------------------------- public API
     def acquire(
-        self, key: str, ttl_ms: int = BACKEND_DEFAULTS["ttl_ms"], *, cancel: Any = None
+        self, key: str, ttl_ms: int = DEFAULT_TTL_MS, *, cancel: Any = None
     ) -> AcquireResult:
         """Try once to take ``key`` for ``ttl_ms`` milliseconds.
 
@@ -148,7 +148,7 @@ class BaseLockBackend:
         return self._checked_acquire(self._acquire(key, ttl_ms, cancel), key)
 
     async def aacquire(
-        self, key: str, ttl_ms: int = BACKEND_DEFAULTS["ttl_ms"], *, cancel: Any = None
+        self, key: str, ttl_ms: int = DEFAULT_TTL_MS, *, cancel: Any = None
     ) -> AcquireResult:
         key, ttl_ms, cancel = self._key_args(key, cancel, ttl_ms)
         return self._checked_acquire(await self._aacquire(key, ttl_ms, cancel), key)
@@ -252,9 +252,7 @@ class BaseLockBackend:
     async def _arelease(self, lock_id: str, cancel: CancelToken | None) -> ReleaseResult:
         return await self._in_thread(self._release, lock_id, cancel)
 
-    async def _aextend(
-        self, lock_id: str, ttl_ms: int, cancel: CancelToken | None
-    ) -> ExtendResult:
+    async def _aextend(self, lock_id: str, ttl_ms: int, cancel: CancelToken | None) -> ExtendResult:
         return await self._in_thread(self._extend, lock_id, ttl_ms, cancel)
 
     async def _ais_locked(self, key: str, cancel: CancelToken | None) -> bool:
@@ -263,9 +261,7 @@ class BaseLockBackend:
     async def _alookup_by_key(self, key: str, cancel: CancelToken | None) -> LockRecord | None:
         return await self._in_thread(self._lookup_by_key, key, cancel)
 
-    async def _alookup_by_id(
-        self, lock_id: str, cancel: CancelToken | None
-    ) -> LockRecord | None:
+    async def _alookup_by_id(self, lock_id: str, cancel: CancelToken | None) -> LockRecord | None:
         return await self._in_thread(self._lookup_by_id, lock_id, cancel)
 
     async def _in_thread(self, fn: Callable[..., T], *args: Any) -> T:
@@ -308,7 +304,7 @@ class BaseLockBackend:
             raise Internal(f"{self.backend_name} returned an incomplete acquire result.")
         if self.supports_fencing:
             if result.fence is None:
-                raise Internal(f"{self.backend_name} returned no fence.", {"key": key})
+                raise Internal(f"{self.backend_name} returned no fence.", context={"key": key})
             check_fence(result.fence, key)
         return result
 

@@ -94,7 +94,10 @@ class MemoryBackend(BaseLockBackend):
             store.locks[key] = record
             store.index[record.lock_id] = key
             return AcquireResult(
-                ok=True, lock_id=record.lock_id, expires_at_ms=record.expires_at_ms, fence=record.fence
+                ok=True,
+                lock_id=record.lock_id,
+                expires_at_ms=record.expires_at_ms,
+                fence=record.fence,
             )
 
     def _owned(self, lock_id: str, now: int) -> tuple[LockRecord | None, str]:

@@ -1,0 +1,76 @@
+"""fenced_update(): a stale holder's ORM write is rejected in one statement."""
+
+from __future__ import annotations
+
+import pytest
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
+
+from django_syncguard import InvalidArgument, StaleFenceError, fenced_update
+from tests.factories import AccountFactory, LedgerFactory
+from tests.testapp.models import Account, Ledger
+
+pytestmark = pytest.mark.django_db
+
+F3, F4, F5 = "000000000000003", "000000000000004", "000000000000005"
+
+
+def test_first_fenced_write_applies_and_stores_the_fence():
+    account = AccountFactory(fence=None)
+    with CaptureQueriesContext(connection) as queries:
+        written = fenced_update(Account.objects.filter(pk=account.pk), F4, balance=70)
+    assert written == 1
+    assert len(queries) == 1
+    assert queries[0]["sql"].startswith("UPDATE")
+    account.refresh_from_db()
+    assert (account.balance, account.fence) == (70, F4)
+
+
+def test_newer_fence_wins_and_stale_write_raises():
+    account = AccountFactory(fence=F4, balance=100)
+    with pytest.raises(StaleFenceError) as caught:
+        fenced_update(Account.objects.filter(pk=account.pk), F3, balance=0)
+    assert caught.value.fence == F3
+    account.refresh_from_db()
+    assert (account.balance, account.fence) == (100, F4)
+
+
+def test_same_holder_may_write_again():
+    account = AccountFactory(fence=F4)
+    assert fenced_update(Account.objects.filter(pk=account.pk), F4, balance=1) == 1
+    assert fenced_update(Account.objects.filter(pk=account.pk), F5, balance=2) == 1
+    account.refresh_from_db()
+    assert (account.balance, account.fence) == (2, F5)
+
+
+def test_no_matching_row_returns_zero():
+    assert fenced_update(Account.objects.filter(name="nobody"), F3, balance=1) == 0
+
+
+def test_integer_fence_field():
+    ledger = LedgerFactory(version=4)
+    qs = Ledger.objects.filter(pk=ledger.pk)
+    with pytest.raises(StaleFenceError):
+        fenced_update(qs, F3, field="version", total=9)
+    assert fenced_update(qs, F5, field="version", total=9) == 1
+    ledger.refresh_from_db()
+    assert (ledger.total, ledger.version) == (9, 5)
+
+
+def test_multi_row_update_skips_newer_rows():
+    old, new = AccountFactory(fence=F3), AccountFactory(fence=F5)
+    assert fenced_update(Account.objects.filter(pk__in=[old.pk, new.pk]), F4, balance=7) == 1
+    old.refresh_from_db()
+    new.refresh_from_db()
+    assert (old.balance, old.fence, new.balance, new.fence) == (7, F4, 100, F5)
+
+
+@pytest.mark.parametrize("fence", ["1", "00000000000000x", 3, None, "0000000000000001"])
+def test_malformed_fence_is_refused_before_io(fence, django_assert_num_queries):
+    with django_assert_num_queries(0), pytest.raises(InvalidArgument):
+        fenced_update(Account.objects.all(), fence, balance=1)
+
+
+def test_unknown_fence_field_is_refused():
+    with pytest.raises(InvalidArgument, match="no field 'nope'"):
+        fenced_update(Account.objects.all(), F3, field="nope")

@@ -1,0 +1,163 @@
+"""The retry loop: the specification's formulas, with a fake clock and no sleeping."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from django_syncguard import AcquireResult, AcquisitionTimeout, InvalidArgument
+from django_syncguard.retry import RetryPolicy, aacquire_with_retry, acquire_with_retry
+
+LOCKED = AcquireResult.locked()
+OK = AcquireResult(ok=True, lock_id="A" * 22, expires_at_ms=1, fence="000000000000001")
+
+
+class FakeTime:
+    """A monotonic clock in seconds that only the fake sleeper moves."""
+
+    def __init__(self):
+        self.now = 100.0
+        self.sleeps_ms: list[float] = []
+
+    def clock(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float, cancel) -> None:
+        self.sleeps_ms.append(round(seconds * 1000, 6))
+        self.now += seconds
+
+    async def asleep(self, seconds: float, cancel) -> None:
+        self.sleep(seconds, cancel)
+
+
+def scripted(*outcomes):
+    calls = []
+    it = iter(outcomes)
+
+    def acquire():
+        calls.append(1)
+        return next(it)
+
+    return acquire, calls
+
+
+# --------------------------------------------------------------------- formulas
+@pytest.mark.parametrize(
+    ("backoff", "jitter", "attempt", "rng", "expected"),
+    [
+        ("exponential", "none", 1, 0.0, 100),
+        ("exponential", "none", 2, 0.0, 200),
+        ("exponential", "none", 4, 0.0, 800),
+        ("exponential", "equal", 3, 0.5, 300),  # 400/2 + 0.5 * 400/2
+        ("exponential", "equal", 3, 0.0, 200),
+        ("exponential", "full", 3, 0.25, 100),  # 0.25 * 400
+        ("fixed", "none", 5, 0.9, 100),
+        ("fixed", "equal", 5, 0.5, 75),  # 50 + 0.5 * 50
+        ("fixed", "full", 5, 0.3, 30),
+    ],
+)
+def test_delay_formulas(backoff, jitter, attempt, rng, expected):
+    policy = RetryPolicy(retry_delay_ms=100, backoff=backoff, jitter=jitter)
+    assert policy.delay_ms(attempt, lambda: rng) == pytest.approx(expected)
+
+
+def test_huge_attempt_numbers_do_not_overflow():
+    policy = RetryPolicy(retry_delay_ms=100, jitter="none", max_retries=5000)
+    assert policy.delay_ms(5000, lambda: 0.0) > 1e300
+
+
+def test_seeded_equal_jitter_matches_the_formula():
+    policy = RetryPolicy(retry_delay_ms=100)
+    draws = random.Random(7)
+    expected = random.Random(7)
+    for attempt in range(1, 6):
+        base = 100 * 2 ** (attempt - 1)
+        want = base / 2 + expected.random() * base / 2
+        assert policy.delay_ms(attempt, draws.random) == pytest.approx(want)
+
+
+# ------------------------------------------------------------------------- loop
+def test_succeeds_after_retries_with_backoff_sleeps():
+    t = FakeTime()
+    acquire, calls = scripted(LOCKED, LOCKED, LOCKED, OK)
+    policy = RetryPolicy(retry_delay_ms=100, jitter="none", timeout_ms=10_000)
+    result = acquire_with_retry(acquire, policy, key="k", clock=t.clock, sleeper=t.sleep)
+    assert result is OK
+    assert len(calls) == 4
+    assert t.sleeps_ms == [100, 200, 400]
+
+
+def test_total_attempts_are_max_retries_plus_one():
+    t = FakeTime()
+    acquire, calls = scripted(*[LOCKED] * 10)
+    policy = RetryPolicy(max_retries=3, retry_delay_ms=10, jitter="none", timeout_ms=60_000)
+    with pytest.raises(AcquisitionTimeout) as caught:
+        acquire_with_retry(acquire, policy, key="k", clock=t.clock, sleeper=t.sleep)
+    assert len(calls) == 4
+    assert t.sleeps_ms == [10, 20, 40]
+    assert caught.value.code == "AcquisitionTimeout"
+    assert caught.value.context == {"key": "k"}
+
+
+def test_max_retries_zero_tries_once():
+    t = FakeTime()
+    acquire, calls = scripted(LOCKED)
+    with pytest.raises(AcquisitionTimeout):
+        acquire_with_retry(
+            acquire, RetryPolicy(max_retries=0), key="k", clock=t.clock, sleeper=t.sleep
+        )
+    assert (len(calls), t.sleeps_ms) == (1, [])
+
+
+def test_delay_is_clamped_to_the_remaining_time():
+    t = FakeTime()
+    acquire, calls = scripted(*[LOCKED] * 10)
+    policy = RetryPolicy(retry_delay_ms=100, jitter="none", timeout_ms=250)
+    with pytest.raises(AcquisitionTimeout, match="250 ms"):
+        acquire_with_retry(acquire, policy, key="k", clock=t.clock, sleeper=t.sleep)
+    # 100, then 200 clamped to the 150 left; one last attempt at the deadline.
+    assert t.sleeps_ms == [100, 150]
+    assert len(calls) == 3
+
+
+def test_zero_retry_delay_retries_immediately_until_attempts_run_out():
+    t = FakeTime()
+    acquire, calls = scripted(*[LOCKED] * 5, OK)
+    policy = RetryPolicy(retry_delay_ms=0, max_retries=10, timeout_ms=1_000)
+    assert acquire_with_retry(acquire, policy, key="k", clock=t.clock, sleeper=t.sleep) is OK
+    assert len(calls) == 6
+    assert t.sleeps_ms == [0, 0, 0, 0, 0]
+
+
+async def test_async_loop_uses_the_same_schedule():
+    t = FakeTime()
+    outcomes = iter([LOCKED, LOCKED, OK])
+
+    async def acquire():
+        return next(outcomes)
+
+    policy = RetryPolicy(retry_delay_ms=50, backoff="fixed", jitter="none")
+    result = await aacquire_with_retry(acquire, policy, key="k", clock=t.clock, sleeper=t.asleep)
+    assert result is OK
+    assert t.sleeps_ms == [50, 50]
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"max_retries": -1},
+        {"max_retries": 1.5},
+        {"max_retries": True},
+        {"retry_delay_ms": -1},
+        {"retry_delay_ms": "100"},
+        {"retry_delay_ms": float("nan")},
+        {"timeout_ms": 0},
+        {"timeout_ms": None},
+        {"backoff": "linear"},
+        {"jitter": "some"},
+    ],
+)
+def test_invalid_policies_are_refused(kwargs):
+    with pytest.raises(InvalidArgument):
+        RetryPolicy(**kwargs)
