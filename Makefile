@@ -1,0 +1,36 @@
+# The two commands of the README:
+#   make demo   - set up and run the example project's demo (SQLite, no server needed)
+#   make test   - set up and run the whole test suite (lint, types, every backend)
+# Both create .venv on first use; nothing is installed outside the project but the
+# system packages the test servers need (scripts/install-test-deps).
+
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+
+.PHONY: demo test lint pytest clean
+
+$(BIN)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	touch $@
+
+demo: $(BIN)/.installed
+	cd example_project && ../$(BIN)/python manage.py migrate --noinput --verbosity 0
+	cd example_project && ../$(BIN)/python manage.py syncguard_demo
+
+test: $(BIN)/.installed
+	bash scripts/install-test-deps
+	$(MAKE) --no-print-directory lint pytest
+
+lint: $(BIN)/.installed
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy django_syncguard
+
+pytest: $(BIN)/.installed
+	$(BIN)/pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .test-servers
