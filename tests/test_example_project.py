@@ -20,7 +20,11 @@ def test_demo_pays_the_invoice_exactly_once(tmp_path):
     def manage(*args: str) -> str:
         done = subprocess.run(
             [sys.executable, "manage.py", *args],
-            cwd=EXAMPLE, env=env, capture_output=True, text=True, timeout=120,
+            cwd=EXAMPLE,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
         )
         assert done.returncode == 0, done.stderr
         return done.stdout

@@ -45,7 +45,7 @@ class Command(BaseCommand):
             outcome = "paid the invoice" if payment.paid else "found it already paid"
             outcomes.append((payment.fence, f"  {name} (fence {payment.fence}) {outcome}"))
 
-        out.write(self.style.MIGRATE_HEADING(f"Paying {invoice} with two workers"))
+        self.stdout.write(self.style.MIGRATE_HEADING(f"Paying {invoice} with two workers"))
         threads = [
             threading.Thread(target=worker, args=(False,), name="worker-A"),
             threading.Thread(target=worker, args=(True,), name="worker-B"),
@@ -57,7 +57,7 @@ class Command(BaseCommand):
         for _, line in sorted(outcomes):  # in the order the lock was held
             self.stdout.write(line)
         invoice.refresh_from_db()
-        out.write(
+        self.stdout.write(
             self.style.SUCCESS(
                 f"{invoice} paid={invoice.paid} by {invoice.paid_by} (fence {invoice.fence})"
             )
