@@ -68,7 +68,7 @@ class LockRecord:
         )
 
 
-def validate_ttl(ttl_ms: Any) -> int:
+def validate_ttl(ttl_ms: object) -> int:
     """Return ``ttl_ms`` if it is a positive int of at most ``MAX_TTL_MS``."""
     if isinstance(ttl_ms, bool) or not isinstance(ttl_ms, int):
         raise InvalidArgument(f"ttl_ms must be an int number of milliseconds, not {ttl_ms!r}.")
@@ -79,7 +79,7 @@ def validate_ttl(ttl_ms: Any) -> int:
 
 def option_ms(options: Mapping[str, Any], name: str, default: int) -> int:
     """Read a positive millisecond option, e.g. ``OPERATION_TIMEOUT_MS``."""
-    value = options.get(name, default)
+    value: object = options.get(name, default)
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise InvalidArgument(f"OPTIONS[{name!r}] must be a positive int (ms), not {value!r}.")
     return value
