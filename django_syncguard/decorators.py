@@ -38,7 +38,7 @@ from .constants import (
 from .errors import InvalidArgument
 from .keys import normalize_and_validate_key
 from .leases import Lease, LockSpec, ReleaseErrorHandler
-from .retry import Backoff, Jitter, RetryPolicy
+from .retry import Backoff, Jitter
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -73,10 +73,14 @@ class locked:  # noqa: N801 - used like a function, as contextlib's helpers are
         self.placeholders = tuple(_PLACEHOLDER.findall(key_template))
         if not self.placeholders:
             normalize_and_validate_key(key_template)
-        self.spec = LockSpec(
+        self.spec = LockSpec.from_options(
             using=using,
             ttl_ms=ttl_ms,
-            policy=RetryPolicy(max_retries, retry_delay_ms, timeout_ms, backoff, jitter),
+            max_retries=max_retries,
+            retry_delay_ms=retry_delay_ms,
+            timeout_ms=timeout_ms,
+            backoff=backoff,
+            jitter=jitter,
             cancel=cancel,
             on_release_error=on_release_error,
             auto_extend=auto_extend,

@@ -16,7 +16,7 @@ from .constants import (
     DEFAULT_TTL_MS,
 )
 from .leases import LockSpec, ReleaseErrorHandler
-from .retry import Backoff, Jitter, RetryPolicy
+from .retry import Backoff, Jitter
 
 T = TypeVar("T")
 
@@ -43,10 +43,14 @@ def lock(
     ``on_release_error(error, {"key", "lock_id"})`` (or the log) and never replace
     ``fn``'s result or exception. ``current_lock()`` is the lease inside ``fn``.
     """
-    spec = LockSpec(
+    spec = LockSpec.from_options(
         using=using,
         ttl_ms=ttl_ms,
-        policy=RetryPolicy(max_retries, retry_delay_ms, timeout_ms, backoff, jitter),
+        max_retries=max_retries,
+        retry_delay_ms=retry_delay_ms,
+        timeout_ms=timeout_ms,
+        backoff=backoff,
+        jitter=jitter,
         cancel=cancel,
         on_release_error=on_release_error,
         auto_extend=auto_extend,
@@ -71,10 +75,14 @@ async def alock(
     auto_extend: bool = False,
 ) -> T:
     """Async twin of :func:`lock`: ``fn`` is a coroutine function (or returns an awaitable)."""
-    spec = LockSpec(
+    spec = LockSpec.from_options(
         using=using,
         ttl_ms=ttl_ms,
-        policy=RetryPolicy(max_retries, retry_delay_ms, timeout_ms, backoff, jitter),
+        max_retries=max_retries,
+        retry_delay_ms=retry_delay_ms,
+        timeout_ms=timeout_ms,
+        backoff=backoff,
+        jitter=jitter,
         cancel=cancel,
         on_release_error=on_release_error,
         auto_extend=auto_extend,

@@ -27,7 +27,7 @@ from .constants import DEFAULT_TTL_MS
 from .errors import InvalidArgument, LockError
 from .keys import hash_key, normalize_and_validate_key
 from .results import AcquireResult, ExtendResult, ReleaseResult
-from .retry import RetryPolicy, aacquire_with_retry, acquire_with_retry
+from .retry import Backoff, Jitter, RetryPolicy, aacquire_with_retry, acquire_with_retry
 
 logger = logging.getLogger("django_syncguard.leases")
 
@@ -219,6 +219,31 @@ class LockSpec:
     cancel: CancelToken | None = None
     on_release_error: ReleaseErrorHandler | None = None
     auto_extend: bool = False
+
+    @classmethod
+    def from_options(
+        cls,
+        *,
+        using: str | BaseLockBackend,
+        ttl_ms: int,
+        max_retries: int,
+        retry_delay_ms: float,
+        timeout_ms: float,
+        backoff: Backoff,
+        jitter: Jitter,
+        cancel: Any,
+        on_release_error: ReleaseErrorHandler | None,
+        auto_extend: bool,
+    ) -> LockSpec:
+        """Build from the flat keyword options of ``lock()`` / ``locked()``."""
+        return cls(
+            using=using,
+            ttl_ms=ttl_ms,
+            policy=RetryPolicy(max_retries, retry_delay_ms, timeout_ms, backoff, jitter),
+            cancel=cancel,
+            on_release_error=on_release_error,
+            auto_extend=auto_extend,
+        )
 
     def __post_init__(self) -> None:
         validate_ttl(self.ttl_ms)

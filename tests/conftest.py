@@ -5,13 +5,23 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.harness import HARNESSES, Harness
+from tests.harness import HARNESSES, Harness, MemoryHarness
 
 
 @pytest.fixture(params=sorted(HARNESSES))
 def harness(request: pytest.FixtureRequest) -> Iterator[Harness]:
     """A fresh backend of each kind, with time and fence controls."""
     h = HARNESSES[request.param]()
+    try:
+        yield h
+    finally:
+        h.close()
+
+
+@pytest.fixture
+def mem() -> Iterator[MemoryHarness]:
+    """A memory backend on a fake clock, for tests of what sits above backends."""
+    h = MemoryHarness()
     try:
         yield h
     finally:

@@ -22,14 +22,6 @@ from django_syncguard import (
     with_telemetry,
 )
 from django_syncguard.backends.memory import MemoryBackend
-from tests.harness import MemoryHarness
-
-
-@pytest.fixture
-def mem():
-    harness = MemoryHarness()
-    yield harness
-    harness.close()
 
 
 class FailingRelease(MemoryBackend):

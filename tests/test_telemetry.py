@@ -7,14 +7,6 @@ import asyncio
 import pytest
 
 from django_syncguard import InvalidArgument, LockEvent, generate_lock_id, hash_key, with_telemetry
-from tests.harness import MemoryHarness
-
-
-@pytest.fixture
-def mem():
-    harness = MemoryHarness()
-    yield harness
-    harness.close()
 
 
 def test_events_for_each_operation(mem):
