@@ -50,6 +50,8 @@ BACKEND_LIMITS: Final = MappingProxyType({"REDIS": 1000, "POSTGRES": 1700, "FIRE
 #: Bytes each backend keeps free for the suffixes of its derived keys.
 RESERVE_BYTES: Final = MappingProxyType({"REDIS": 26, "POSTGRES": 0, "FIRESTORE": 0})
 
-#: Guard added to the tolerance before a cleanup may delete an expired record
-#: (server-time backends: 2000 ms past expiry; client-time: tolerance + 1000 ms).
+#: How long past its expiry a lock record must be before any cleanup may delete it:
+#: 2000 ms on server-time backends; tolerance + 1000 ms on client-time ones. Both
+#: leave at least 1000 ms after the record stops being live, so no extend that saw
+#: it live can be racing the delete.
 CLEANUP_GUARD_MS: Final = MappingProxyType({"server": 2000, "client": TIME_TOLERANCE_MS + 1000})

@@ -153,8 +153,8 @@ class MemoryBackend(BaseLockBackend):
             return live
 
     def _sweepable(self, record: LockRecord, now: int) -> bool:
-        """Expired by more than tolerance + guard: no extend can still be racing it."""
-        return now - record.expires_at_ms > TIME_TOLERANCE_MS + CLEANUP_GUARD_MS["client"]
+        """Expired by more than the cleanup guard: no extend can still be racing it."""
+        return now - record.expires_at_ms > CLEANUP_GUARD_MS[self.time_authority]
 
     def _lookup_by_key(self, key: str, cancel: CancelToken | None) -> LockRecord | None:
         with self._store.mutex:
