@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
 from pathlib import Path
 
 BASE_DIR = Path(__file__).resolve().parent
@@ -43,7 +45,26 @@ TEMPLATES = [
     }
 ]
 
-DATABASES = {"default": {"ENGINE": "django.db.backends.sqlite3", "NAME": ":memory:"}}
+_TMP = Path(tempfile.gettempdir())
+
+DATABASES = {
+    # A file, not :memory:, so that the database backend's own connections (one per
+    # thread, outside the test's transaction) see the same database.
+    "default": {
+        "ENGINE": "django.db.backends.sqlite3",
+        "NAME": str(_TMP / "syncguard-tests.sqlite3"),
+        "TEST": {"NAME": str(_TMP / f"syncguard-tests-{os.getpid()}.sqlite3")},
+    },
+    # Started by the test harness on a free port (tests/conftest.py fills in PORT).
+    "postgres": {
+        "ENGINE": "django.db.backends.postgresql",
+        "NAME": "syncguard",
+        "USER": "postgres",
+        "HOST": "127.0.0.1",
+        "PORT": "",
+        "TEST": {"NAME": "test_syncguard"},
+    },
+}
 
 SYNCGUARD_BACKENDS = {
     "default": {"BACKEND": "django_syncguard.backends.memory.MemoryBackend"},

@@ -63,11 +63,8 @@ def test_release_of_unknown_lock_id_is_false(backend):
     assert backend.release(generate_lock_id()).to_dict() == {"ok": False}
 
 
-def test_capabilities_are_declared(backend):
-    caps = backend.capabilities
-    assert caps.supports_fencing is True
-    assert caps.time_authority in ("server", "client")
-    assert caps.backend == type(backend).backend_name
+def test_capabilities_are_declared(backend, harness):
+    assert backend.capabilities == harness.capabilities
 
 
 # ---------------------------------------------------------------- contention
@@ -93,13 +90,18 @@ def test_keys_are_independent(harness):
 
 
 # ---------------------------------------------------------- expiry, tolerance
+# Server clocks keep moving while a test runs, so these tests leave 250 ms or more
+# between the state they set up and the boundary; the exact millisecond edges are
+# pinned on the fake-clock memory backend (test_memory_backend.py).
+
+
 def test_lock_stays_live_until_expiry_plus_tolerance(backend, harness):
     result = acquire_ok(harness, "ttl", ttl_ms=1_000)
-    harness.advance(1_000 + 999)  # 999 ms past expiry: inside the 1000 ms tolerance
+    harness.advance(1_000 + 750)  # 750 ms past expiry: inside the 1000 ms tolerance
     assert backend.is_locked("ttl") is True
     assert backend.acquire("ttl", 1_000).ok is False
     assert backend.lookup(lock_id=result.lock_id) is not None
-    harness.advance(1)  # exactly expiry + tolerance: gone for every operation
+    harness.advance(500)  # 1250 ms past expiry: gone for every operation
     assert backend.is_locked("ttl") is False
     assert backend.lookup(key="ttl") is None
     assert backend.lookup(lock_id=result.lock_id) is None
@@ -161,8 +163,8 @@ def test_extend_inside_tolerance_window_succeeds(backend, harness):
 
 def test_extend_keeps_fence_and_acquired_time(backend, harness):
     result = acquire_ok(harness, "keep")
-    info = backend.lookup(key="keep")
     harness.advance(1_000)
+    info = backend.lookup(key="keep")
     backend.extend(result.lock_id, TTL)
     again = backend.lookup(key="keep")
     assert (again.fence, again.acquired_at_ms) == (result.fence, info.acquired_at_ms)

@@ -45,6 +45,22 @@ def test_threads_exclude_each_other_and_fences_strictly_increase():
     backend.reset()
 
 
+def test_liveness_edges_to_the_millisecond():
+    harness = MemoryHarness()
+    backend = harness.backend
+    result = backend.acquire("ttl", 1_000)
+    harness.advance(1_000 + 999)  # 999 ms past expiry: live
+    assert backend.is_locked("ttl") is True
+    assert backend.acquire("ttl", 1_000).ok is False
+    assert backend.lookup(lock_id=result.lock_id) is not None
+    harness.advance(1)  # expiry + 1000: gone for every operation
+    assert backend.is_locked("ttl") is False
+    assert backend.lookup(lock_id=result.lock_id) is None
+    assert backend.extend(result.lock_id, 1_000).ok is False
+    assert backend.acquire("ttl", 1_000).fence == "000000000000002"
+    harness.close()
+
+
 def test_cleanup_in_is_locked_removes_only_long_expired_records():
     harness = MemoryHarness(CLEANUP_IN_IS_LOCKED=True)
     backend = harness.backend

@@ -1,0 +1,485 @@
+"""The database backend: locks in your Django database.
+
+PostgreSQL in production (server time, one round trip per operation) and SQLite as
+the embedded default for development. Tables come from this app's migrations
+(``syncguard_locks``, ``syncguard_fence_counters``); run ``migrate`` on the database
+named by ``OPTIONS["DATABASE"]`` (a ``DATABASES`` alias, default ``"default"``).
+
+**Independent of the caller's transaction.** The backend never uses Django's
+connection of that alias (the one your views and ``transaction.atomic()`` use). It
+opens its own connection per thread, from the same settings, in autocommit: a lock
+is visible to every process the moment ``acquire`` returns, survives a rollback of
+the caller's transaction, and a fence is never handed out twice. Each operation is
+a single autocommit statement (or, on SQLite, one short ``BEGIN IMMEDIATE``
+transaction), so the backend works behind pgbouncer in transaction pooling mode: it
+keeps no session state and uses only transaction-scoped advisory locks.
+
+See ``specs/backends/database.md`` for the SQL of each operation.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import threading
+from collections.abc import Callable, Mapping
+from contextlib import suppress
+from typing import Any, ClassVar, TypeVar
+
+from django.db import DEFAULT_DB_ALIAS, connections
+from django.db import Error as DjangoDatabaseError
+from django.db.backends.base.base import BaseDatabaseWrapper
+
+from ..cancellation import CancelToken, check_cancel
+from ..constants import BACKEND_LIMITS, CLEANUP_GUARD_MS, RESERVE_BYTES, TIME_TOLERANCE_MS
+from ..errors import (
+    AuthFailed,
+    Internal,
+    InvalidArgument,
+    LockError,
+    NetworkTimeout,
+    RateLimited,
+    ServiceUnavailable,
+)
+from ..fencing import FENCE_MAX, fence_overflow_error, format_fence
+from ..keys import generate_lock_id, make_fence_key, make_storage_key
+from ..liveness import is_live, system_clock_ms
+from ..results import AcquireResult, ExtendResult, ReleaseResult
+from .base import BaseLockBackend, LockRecord
+
+logger = logging.getLogger("django_syncguard.backends.database")
+
+T = TypeVar("T")
+
+SUPPORTED_VENDORS = ("postgresql", "sqlite")
+LIMIT_BYTES = BACKEND_LIMITS["POSTGRES"]
+RESERVE = RESERVE_BYTES["POSTGRES"]
+
+# PostgreSQL ---------------------------------------------------------------------
+# Server time in whole Unix milliseconds, read when the statement runs.
+PG_NOW_MS = "floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint"
+
+PG_ACQUIRE = (
+    "SELECT status, fence, expires_at_ms FROM syncguard_acquire(%s, %s, %s, %s, %s, %s, %s)"
+)
+
+# Delete the live lock the id names; report whether a row with that id existed at
+# all (the outer SELECT sees the table as it was before the DELETE), which tells
+# "expired" from "not-found" at no extra round trip.
+PG_RELEASE = f"""
+WITH t AS (SELECT {PG_NOW_MS} AS now_ms),
+gone AS (
+    DELETE FROM syncguard_locks l USING t
+    WHERE l.lock_id = %s AND l.expires_at_ms > t.now_ms - %s
+    RETURNING 1
+)
+SELECT (SELECT count(*) FROM gone),
+       EXISTS (SELECT 1 FROM syncguard_locks WHERE lock_id = %s)
+"""
+
+PG_EXTEND = f"""
+WITH t AS (SELECT {PG_NOW_MS} AS now_ms),
+renewed AS (
+    UPDATE syncguard_locks l SET expires_at_ms = t.now_ms + %s FROM t
+    WHERE l.lock_id = %s AND l.expires_at_ms > t.now_ms - %s
+    RETURNING l.expires_at_ms
+)
+SELECT (SELECT expires_at_ms FROM renewed),
+       EXISTS (SELECT 1 FROM syncguard_locks WHERE lock_id = %s)
+"""
+
+PG_IS_LOCKED = f"""
+SELECT EXISTS (
+    SELECT 1 FROM syncguard_locks WHERE key = %s AND expires_at_ms > {PG_NOW_MS} - %s
+)
+"""
+
+# With CLEANUP_IN_IS_LOCKED: the same answer, and the key's record deleted when it
+# expired more than the guard ago (the answer comes from the snapshot before it).
+PG_IS_LOCKED_CLEANUP = f"""
+WITH t AS (SELECT {PG_NOW_MS} AS now_ms),
+swept AS (
+    DELETE FROM syncguard_locks l USING t
+    WHERE l.key = %s AND l.expires_at_ms < t.now_ms - %s
+)
+SELECT EXISTS (
+    SELECT 1 FROM syncguard_locks l, t WHERE l.key = %s AND l.expires_at_ms > t.now_ms - %s
+)
+"""
+
+LOCK_COLUMNS = "key, lock_id, expires_at_ms, acquired_at_ms, fence, user_key"
+
+PG_LOOKUP = (
+    f"SELECT {LOCK_COLUMNS} FROM syncguard_locks "
+    f"WHERE {{column}} = %s AND expires_at_ms > {PG_NOW_MS} - %s"
+)
+
+PG_NOW = f"SELECT {PG_NOW_MS}"
+
+# SQLite ---------------------------------------------------------------------------
+# Time is the machine's clock, passed in; writers are serialised by SQLite's
+# database lock, taken up front by BEGIN IMMEDIATE for the multi-statement acquire.
+LITE_SELECT_LOCK = "SELECT expires_at_ms FROM syncguard_locks WHERE key = %s"
+LITE_SELECT_FENCE = "SELECT fence FROM syncguard_fence_counters WHERE fence_key = %s"
+LITE_UPSERT_LOCK = (
+    f"INSERT INTO syncguard_locks ({LOCK_COLUMNS}) VALUES (%s, %s, %s, %s, %s, %s) "
+    "ON CONFLICT (key) DO UPDATE SET lock_id = excluded.lock_id, "
+    "expires_at_ms = excluded.expires_at_ms, acquired_at_ms = excluded.acquired_at_ms, "
+    "fence = excluded.fence, user_key = excluded.user_key"
+)
+LITE_UPSERT_FENCE = (
+    "INSERT INTO syncguard_fence_counters (fence_key, fence) VALUES (%s, %s) "
+    "ON CONFLICT (fence_key) DO UPDATE SET fence = excluded.fence"
+)
+LITE_RELEASE = "DELETE FROM syncguard_locks WHERE lock_id = %s AND expires_at_ms > %s RETURNING 1"
+LITE_EXTEND = (
+    "UPDATE syncguard_locks SET expires_at_ms = %s "
+    "WHERE lock_id = %s AND expires_at_ms > %s RETURNING expires_at_ms"
+)
+LITE_EXISTS_ID = "SELECT 1 FROM syncguard_locks WHERE lock_id = %s"
+LITE_SWEEP_KEY = "DELETE FROM syncguard_locks WHERE key = %s AND expires_at_ms < %s"
+LITE_LOOKUP = f"SELECT {LOCK_COLUMNS} FROM syncguard_locks WHERE {{column}} = %s"
+
+# Errors -------------------------------------------------------------------------
+# SQLSTATE (exact code, else its two-character class) -> LockError subclass.
+SQLSTATE_ERRORS: dict[str, type[LockError]] = {
+    "08": ServiceUnavailable,  # connection exception
+    "57P01": ServiceUnavailable,  # admin shutdown
+    "57P02": ServiceUnavailable,  # crash shutdown
+    "57P03": ServiceUnavailable,  # cannot connect now (starting up)
+    "57014": NetworkTimeout,  # query cancelled: statement_timeout
+    "55P03": NetworkTimeout,  # lock not available: lock_timeout
+    "53300": RateLimited,  # too many connections
+    "53": ServiceUnavailable,  # insufficient resources
+    "28": AuthFailed,  # invalid authorization
+    "42501": AuthFailed,  # insufficient privilege
+    "40": ServiceUnavailable,  # serialization failure, deadlock: transient conflict
+    "22": InvalidArgument,  # data exception
+    "23": InvalidArgument,  # integrity constraint violation
+    "42P01": Internal,  # undefined table: migrations not applied
+    "42883": Internal,  # undefined function: migrations not applied
+}
+
+# Driver messages without a SQLSTATE (libpq connection failures, sqlite3).
+MESSAGE_ERRORS: tuple[tuple[str, type[LockError]], ...] = (
+    ("timeout expired", NetworkTimeout),
+    ("timed out", NetworkTimeout),
+    ("database is locked", NetworkTimeout),
+    ("database table is locked", NetworkTimeout),
+    ("no such table", Internal),
+    ("no such function", Internal),
+    ("password authentication failed", AuthFailed),
+    ("connection refused", ServiceUnavailable),
+    ("could not connect", ServiceUnavailable),
+    ("connection failed", ServiceUnavailable),
+    ("server closed the connection", ServiceUnavailable),
+    ("connection is closed", ServiceUnavailable),
+    ("connection already closed", ServiceUnavailable),
+    ("terminating connection", ServiceUnavailable),
+    ("unable to open database", ServiceUnavailable),
+    ("disk i/o error", ServiceUnavailable),
+    ("consuming input failed", ServiceUnavailable),
+)
+
+MIGRATE_HINT = " Run `manage.py migrate django_syncguard --database {alias}`."
+
+
+def map_database_error(exc: BaseException, alias: str) -> LockError:
+    """The ``LockError`` for a database driver error (Django-wrapped or raw)."""
+    cause = exc.__cause__ if isinstance(exc, DjangoDatabaseError) and exc.__cause__ else exc
+    sqlstate = getattr(cause, "sqlstate", None) or getattr(cause, "pgcode", None)
+    error_cls: type[LockError] | None = None
+    if sqlstate:
+        error_cls = SQLSTATE_ERRORS.get(sqlstate) or SQLSTATE_ERRORS.get(sqlstate[:2])
+    text = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+    if error_cls is None:
+        lowered = str(cause).lower()
+        error_cls = next((cls for needle, cls in MESSAGE_ERRORS if needle in lowered), Internal)
+    message = f"Database {alias!r}: {text}"
+    if sqlstate in ("42P01", "42883") or "no such table" in text.lower():
+        message += MIGRATE_HINT.format(alias=alias)
+    return error_cls(message, context={"cause": exc})
+
+
+class _PerThread(threading.local):
+    connection: BaseDatabaseWrapper | None = None
+
+
+class DatabaseBackend(BaseLockBackend):
+    """Locks in a Django database; see the module docstring."""
+
+    backend_name = "database"
+    known_options: ClassVar[frozenset[str]] = BaseLockBackend.known_options | {"DATABASE"}
+
+    def __init__(self, alias: str = "default", params: Mapping[str, Any] | None = None) -> None:
+        super().__init__(alias, params)
+        database = self.options.get("DATABASE", DEFAULT_DB_ALIAS)
+        if not isinstance(database, str) or not database:
+            raise InvalidArgument("OPTIONS['DATABASE'] must name an alias of DATABASES.")
+        if database not in connections.settings:
+            raise InvalidArgument(
+                f"OPTIONS['DATABASE'] = {database!r} is not an alias of DATABASES "
+                f"(configured: {', '.join(connections.settings)})."
+            )
+        self.database = database
+        self.vendor: str = connections[database].vendor
+        if self.vendor not in SUPPORTED_VENDORS:
+            raise InvalidArgument(
+                f"The database backend supports PostgreSQL and SQLite; DATABASES[{database!r}] "
+                f"is {self.vendor}. Use the Redis or Firestore backend instead."
+            )
+        self.time_authority = "server" if self.vendor == "postgresql" else "client"  # type: ignore[misc]
+        self.backend_name = "postgres" if self.vendor == "postgresql" else "sqlite"  # type: ignore[misc]
+        self.capabilities = type(self.capabilities)(
+            backend=self.backend_name,
+            supports_fencing=True,
+            time_authority=self.time_authority,
+        )
+        self.clock: Callable[[], int] = system_clock_ms
+        self._local = _PerThread()
+        self._all: list[BaseDatabaseWrapper] = []
+        self._all_mutex = threading.Lock()
+
+    # ------------------------------------------------------------- connections
+    def connection(self) -> BaseDatabaseWrapper:
+        """This thread's private connection (created on first use, not yet opened)."""
+        wrapper = self._local.connection
+        if wrapper is None:
+            source = connections[self.database]
+            wrapper = type(source)(self._private_settings(source.settings_dict), self.database)
+            self._local.connection = wrapper
+            with self._all_mutex:
+                self._all.append(wrapper)
+        return wrapper
+
+    def _private_settings(self, settings_dict: Mapping[str, Any]) -> dict[str, Any]:
+        """The alias's settings with our timeouts; autocommit, no request atomicity."""
+        private = copy.deepcopy(dict(settings_dict))
+        private["AUTOCOMMIT"] = True
+        private["ATOMIC_REQUESTS"] = False
+        private["CONN_MAX_AGE"] = None  # ours to keep; closed by close() or on errors
+        private["CONN_HEALTH_CHECKS"] = False
+        options = private.setdefault("OPTIONS", {})
+        if self.vendor == "postgresql":
+            options["connect_timeout"] = max(2, math.ceil(self.connect_timeout_ms / 1000))
+            # A stalled server or a held row lock must not hang a lock call.
+            settings = (
+                f"-c statement_timeout={self.operation_timeout_ms} "
+                f"-c lock_timeout={self.operation_timeout_ms} "
+                f"-c idle_in_transaction_session_timeout={max(self.operation_timeout_ms, 1000)}"
+            )
+            options["options"] = f"{options.get('options', '')} {settings}".strip()
+            options.setdefault("tcp_user_timeout", self.operation_timeout_ms)
+            options.setdefault("keepalives", 1)
+            options.setdefault("keepalives_idle", 5)
+            options.setdefault("keepalives_interval", 2)
+            options.setdefault("keepalives_count", 2)
+        else:
+            options["timeout"] = self.operation_timeout_ms / 1000  # SQLite busy timeout
+        return private
+
+    def close(self, **kwargs: Any) -> None:
+        with self._all_mutex:
+            wrappers, self._all = self._all, []
+        for wrapper in wrappers:
+            with suppress(Exception):
+                wrapper.close()
+        self._local = _PerThread()
+
+    def _run(self, work: Callable[[Any], T]) -> T:
+        """Run ``work(cursor)`` on this thread's connection, mapping driver errors."""
+        wrapper = self.connection()
+        try:
+            with wrapper.cursor() as cursor:
+                return work(cursor)
+        except DjangoDatabaseError as exc:
+            error = map_database_error(exc, self.database)
+            if isinstance(error, ServiceUnavailable | NetworkTimeout | Internal):
+                # Reconnect on the next call: the connection may be broken or stuck.
+                with suppress(Exception):
+                    wrapper.close()
+            raise error from exc
+
+    # ----------------------------------------------------------------- helpers
+    def storage_keys(self, key: str) -> tuple[str, str, str | None]:
+        """(lock storage key, fence key, user key if it differs from the storage key)."""
+        storage_key = make_storage_key("", key, LIMIT_BYTES, RESERVE)
+        fence_key = make_fence_key("", key, LIMIT_BYTES, RESERVE)
+        return storage_key, fence_key, (key if storage_key != key else None)
+
+    def now_ms(self) -> int:
+        """The backend's time authority, now (server time on PostgreSQL)."""
+        if self.vendor == "postgresql":
+            return int(self._run(lambda c: _fetch_value(c, PG_NOW, [])))
+        return self.clock()
+
+    # --------------------------------------------------------------- acquire
+    def _acquire(self, key: str, ttl_ms: int, cancel: CancelToken | None) -> AcquireResult:
+        storage_key, fence_key, user_key = self.storage_keys(key)
+        lock_id = generate_lock_id()
+        if self.vendor == "postgresql":
+            params = [
+                storage_key,
+                fence_key,
+                lock_id,
+                ttl_ms,
+                user_key,
+                FENCE_MAX,
+                TIME_TOLERANCE_MS,
+            ]
+            # One statement: ``cancel`` was checked before dispatch. Checking it after
+            # the commit would raise while holding a lock the caller never learns of.
+            status, fence, expires = self._run(lambda c: _fetch_row(c, PG_ACQUIRE, params))
+        else:
+            status, fence, expires = self._run(
+                lambda c: self._sqlite_acquire(
+                    c, storage_key, fence_key, user_key, lock_id, ttl_ms, cancel, key
+                )
+            )
+        if status == 2:
+            raise fence_overflow_error(key)
+        if status == 0:
+            return AcquireResult.locked()
+        return AcquireResult(
+            ok=True, lock_id=lock_id, expires_at_ms=int(expires), fence=format_fence(int(fence))
+        )
+
+    def _sqlite_acquire(
+        self,
+        cursor: Any,
+        storage_key: str,
+        fence_key: str,
+        user_key: str | None,
+        lock_id: str,
+        ttl_ms: int,
+        cancel: CancelToken | None,
+        key: str,
+    ) -> tuple[int, int | None, int | None]:
+        cursor.execute("BEGIN IMMEDIATE")
+        try:
+            now = self.clock()
+            current = _fetch_value(cursor, LITE_SELECT_LOCK, [storage_key])
+            if current is not None and is_live(int(current), now, TIME_TOLERANCE_MS):
+                cursor.execute("ROLLBACK")
+                return 0, None, None
+            fence = int(_fetch_value(cursor, LITE_SELECT_FENCE, [fence_key]) or 0) + 1
+            if fence > FENCE_MAX:
+                cursor.execute("ROLLBACK")
+                return 2, None, None
+            check_cancel(cancel, {"key": key})  # after reads, before writes
+            cursor.execute(
+                LITE_UPSERT_LOCK,
+                [storage_key, lock_id, now + ttl_ms, now, format_fence(fence), user_key],
+            )
+            cursor.execute(LITE_UPSERT_FENCE, [fence_key, fence])
+            cursor.execute("COMMIT")
+            return 1, fence, now + ttl_ms
+        except BaseException:
+            with suppress(Exception):
+                cursor.execute("ROLLBACK")
+            raise
+
+    # --------------------------------------------------------------- release
+    def _release(self, lock_id: str, cancel: CancelToken | None) -> ReleaseResult:
+        if self.vendor == "postgresql":
+            params = [lock_id, TIME_TOLERANCE_MS, lock_id]
+            deleted, existed = self._run(lambda c: _fetch_row(c, PG_RELEASE, params))
+        else:
+            now = self.clock()
+
+            def release(cursor: Any) -> tuple[int, bool]:
+                cursor.execute(LITE_RELEASE, [lock_id, now - TIME_TOLERANCE_MS])
+                if cursor.fetchone() is not None:
+                    return 1, True
+                return 0, _fetch_value(cursor, LITE_EXISTS_ID, [lock_id]) is not None
+
+            deleted, existed = self._run(release)
+        if deleted:
+            return ReleaseResult(ok=True)
+        return ReleaseResult(ok=False, reason="expired" if existed else "not-found")
+
+    # ---------------------------------------------------------------- extend
+    def _extend(self, lock_id: str, ttl_ms: int, cancel: CancelToken | None) -> ExtendResult:
+        if self.vendor == "postgresql":
+            params = [ttl_ms, lock_id, TIME_TOLERANCE_MS, lock_id]
+            expires, existed = self._run(lambda c: _fetch_row(c, PG_EXTEND, params))
+        else:
+            now = self.clock()
+
+            def extend(cursor: Any) -> tuple[int | None, bool]:
+                cursor.execute(LITE_EXTEND, [now + ttl_ms, lock_id, now - TIME_TOLERANCE_MS])
+                row = cursor.fetchone()
+                if row is not None:
+                    return int(row[0]), True
+                return None, _fetch_value(cursor, LITE_EXISTS_ID, [lock_id]) is not None
+
+            expires, existed = self._run(extend)
+        if expires is not None:
+            return ExtendResult(ok=True, expires_at_ms=int(expires))
+        return ExtendResult(ok=False, reason="expired" if existed else "not-found")
+
+    # ------------------------------------------------------------- is_locked
+    def _is_locked(self, key: str, cancel: CancelToken | None) -> bool:
+        storage_key = self.storage_keys(key)[0]
+        guard = CLEANUP_GUARD_MS[self.time_authority]
+        if self.vendor == "postgresql":
+            if self.cleanup_in_is_locked:
+                params = [storage_key, guard, storage_key, TIME_TOLERANCE_MS]
+                return bool(self._run(lambda c: _fetch_value(c, PG_IS_LOCKED_CLEANUP, params)))
+            params = [storage_key, TIME_TOLERANCE_MS]
+            return bool(self._run(lambda c: _fetch_value(c, PG_IS_LOCKED, params)))
+        now = self.clock()
+
+        def is_locked(cursor: Any) -> bool:
+            expires = _fetch_value(cursor, LITE_SELECT_LOCK, [storage_key])
+            if expires is None:
+                return False
+            if self.cleanup_in_is_locked and now - int(expires) > guard:
+                cursor.execute(LITE_SWEEP_KEY, [storage_key, now - guard])
+            return is_live(int(expires), now, TIME_TOLERANCE_MS)
+
+        return self._run(is_locked)
+
+    # ---------------------------------------------------------------- lookup
+    def _lookup_by_key(self, key: str, cancel: CancelToken | None) -> LockRecord | None:
+        return self._lookup("key", self.storage_keys(key)[0])
+
+    def _lookup_by_id(self, lock_id: str, cancel: CancelToken | None) -> LockRecord | None:
+        return self._lookup("lock_id", lock_id)
+
+    def _lookup(self, column: str, value: str) -> LockRecord | None:
+        if self.vendor == "postgresql":
+            sql = PG_LOOKUP.format(column=column)
+            row = self._run(lambda c: _fetch_row(c, sql, [value, TIME_TOLERANCE_MS]))
+        else:
+            now = self.clock()
+            row = self._run(lambda c: _fetch_row(c, LITE_LOOKUP.format(column=column), [value]))
+            if row is not None and not is_live(int(row[2]), now, TIME_TOLERANCE_MS):
+                row = None
+        if row is None:
+            return None
+        storage_key, lock_id, expires, acquired, fence, user_key = row
+        return LockRecord(
+            key=user_key if user_key is not None else storage_key,
+            lock_id=lock_id,
+            expires_at_ms=int(expires),
+            acquired_at_ms=int(acquired),
+            fence=fence,
+        )
+
+    # Async: the private connections are per thread, so any worker thread will do.
+    async def _in_thread(self, fn: Callable[..., T], *args: Any) -> T:
+        from asgiref.sync import sync_to_async
+
+        return await sync_to_async(fn, thread_sensitive=False)(*args)
+
+
+def _fetch_row(cursor: Any, sql: str, params: list[Any]) -> Any:
+    cursor.execute(sql, params)
+    return cursor.fetchone()
+
+
+def _fetch_value(cursor: Any, sql: str, params: list[Any]) -> Any:
+    row = _fetch_row(cursor, sql, params)
+    return None if row is None else row[0]

@@ -1,0 +1,51 @@
+"""Tables of the database backend: lock records and fence counters.
+
+Fence counters are never deleted by anything in this app: deleting one would let a
+key's fences start again from 1 and defeat fencing.
+"""
+
+from __future__ import annotations
+
+from django.db import models
+
+
+class Lock(models.Model):
+    """One held (or expired, not yet swept) lock."""
+
+    #: Storage key: the normalised user key, hashed only if longer than 1700 bytes.
+    key = models.TextField(primary_key=True)
+    lock_id = models.CharField(max_length=22, unique=True)
+    expires_at_ms = models.BigIntegerField()
+    acquired_at_ms = models.BigIntegerField()
+    #: The 15-digit fence handed out with this lock.
+    fence = models.CharField(max_length=15)
+    #: The user key when it differs from ``key`` (hashed storage key); else NULL.
+    user_key = models.TextField(null=True, blank=True)  # noqa: DJ001 - NULL means "same as key"
+
+    class Meta:
+        db_table = "syncguard_locks"
+        indexes = (models.Index(fields=["expires_at_ms"], name="syncguard_locks_expires_idx"),)
+        verbose_name = "lock"
+        verbose_name_plural = "locks"
+
+    def __str__(self) -> str:
+        return f"lock with fence {self.fence}"
+
+    @property
+    def raw_key(self) -> str:
+        return self.user_key if self.user_key is not None else self.key
+
+
+class FenceCounter(models.Model):
+    """The last fence handed out for one key. Never deleted."""
+
+    fence_key = models.TextField(primary_key=True)
+    fence = models.BigIntegerField(default=0)
+
+    class Meta:
+        db_table = "syncguard_fence_counters"
+        verbose_name = "fence counter"
+        verbose_name_plural = "fence counters"
+
+    def __str__(self) -> str:
+        return f"fence counter at {self.fence}"

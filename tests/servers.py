@@ -1,0 +1,154 @@
+"""Real servers for the tests, started on free loopback ports and stopped afterwards.
+
+Each server runs from the binaries of this machine image, in a temporary directory,
+as an unprivileged user when the tests run as root (PostgreSQL refuses root).
+When ``CI`` is set, a server that cannot start fails the run; otherwise the tests
+that need it are skipped with the reason.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import pwd
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+PG_BIN = Path(os.environ.get("SYNCGUARD_PG_BIN", "/usr/lib/postgresql/15/bin"))
+
+
+class ServerUnavailable(RuntimeError):
+    """A test server could not be started here."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_for_port(port: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.settimeout(0.2)
+            if sock.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.05)
+    raise ServerUnavailable(f"nothing listens on 127.0.0.1:{port} after {timeout_s} s")
+
+
+def unprivileged_user() -> str | None:
+    """The user to run servers as when we are root (``postgres``, else ``nobody``)."""
+    if os.geteuid() != 0:
+        return None
+    for name in ("postgres", "nobody"):
+        try:
+            pwd.getpwnam(name)
+            return name
+        except KeyError:
+            continue
+    raise ServerUnavailable("running as root and no unprivileged user to run servers as")
+
+
+def as_user(user: str | None, argv: list[str]) -> list[str]:
+    return ["runuser", "-u", user, "--", *argv] if user else argv
+
+
+@dataclass
+class PostgresServer:
+    """A throw-away PostgreSQL cluster: ``initdb``, ``pg_ctl start``, ``pg_ctl stop``."""
+
+    port: int = 0
+    user: str | None = None
+    root: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="syncguard-pg-")))
+    settings: tuple[str, ...] = ("fsync=off", "synchronous_commit=off", "full_page_writes=off")
+
+    @property
+    def data_dir(self) -> Path:
+        return self.root / "data"
+
+    @property
+    def log_file(self) -> Path:
+        return self.root / "server.log"
+
+    def start(self) -> PostgresServer:
+        if not (PG_BIN / "initdb").exists():
+            raise ServerUnavailable(f"no PostgreSQL binaries in {PG_BIN}")
+        self.user = unprivileged_user()
+        if self.user:
+            shutil.chown(self.root, self.user)
+        self._run(
+            [
+                str(PG_BIN / "initdb"),
+                "-D",
+                str(self.data_dir),
+                "-U",
+                "postgres",
+                "--auth=trust",
+                "-E",
+                "UTF8",
+                "--locale=C",
+                "--no-sync",
+            ]
+        )
+        for _ in range(3):  # a port picked free may be taken before we bind it
+            self.port = free_port()
+            try:
+                self._ctl("start", "-w", "-t", "60", "-l", str(self.log_file), "-o", self._opts())
+                break
+            except ServerUnavailable:
+                continue
+        else:
+            raise ServerUnavailable(f"PostgreSQL did not start: {self.log_tail()}")
+        atexit.register(self.stop)
+        return self
+
+    def _opts(self) -> str:
+        extra = " ".join(f"-c {s}" for s in self.settings)
+        return f"-p {self.port} -k {self.root} -c listen_addresses=127.0.0.1 {extra}"
+
+    def stop(self, mode: str = "immediate") -> None:
+        if self.data_dir.exists() and (self.data_dir / "postmaster.pid").exists():
+            with contextlib.suppress(ServerUnavailable):
+                self._ctl("stop", "-m", mode, "-w", "-t", "60")
+
+    def restart(self) -> None:
+        """Stop cleanly and start again on the same port and data."""
+        self._ctl("stop", "-m", "fast", "-w", "-t", "60")
+        self._ctl("start", "-w", "-t", "60", "-l", str(self.log_file), "-o", self._opts())
+
+    def destroy(self) -> None:
+        self.stop()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    def _ctl(self, *args: str) -> None:
+        self._run([str(PG_BIN / "pg_ctl"), "-D", str(self.data_dir), *args])
+
+    def _run(self, argv: list[str]) -> None:
+        done = subprocess.run(
+            as_user(self.user, argv), capture_output=True, text=True, timeout=120, check=False
+        )
+        if done.returncode != 0:
+            raise ServerUnavailable(f"{Path(argv[0]).name} failed: {done.stderr.strip()}")
+
+    def log_tail(self) -> str:
+        try:
+            return self.log_file.read_text()[-2000:]
+        except OSError:
+            return "(no log)"
+
+    def database_settings(self, name: str) -> dict[str, object]:
+        return {
+            "ENGINE": "django.db.backends.postgresql",
+            "NAME": name,
+            "USER": "postgres",
+            "HOST": "127.0.0.1",
+            "PORT": str(self.port),
+        }
