@@ -54,6 +54,8 @@ DATABASES = {
         "ENGINE": "django.db.backends.sqlite3",
         "NAME": str(_TMP / "syncguard-tests.sqlite3"),
         "TEST": {"NAME": str(_TMP / f"syncguard-tests-{os.getpid()}.sqlite3")},
+        # WAL: readers never block the lock backend's writes (and the reverse).
+        "OPTIONS": {"init_command": "PRAGMA journal_mode=WAL;"},
     },
     # Started by the test harness on a free port (tests/conftest.py fills in PORT).
     "postgres": {
@@ -62,8 +64,18 @@ DATABASES = {
         "USER": "postgres",
         "HOST": "127.0.0.1",
         "PORT": "",
-        "TEST": {"NAME": "test_syncguard"},
+        "TEST": {"NAME": "test_syncguard", "DEPENDENCIES": []},
     },
+    # Nothing listens on port 1: for tests of a dead server (never set up as a test DB).
+    "dead": {
+        "ENGINE": "django.db.backends.postgresql",
+        "NAME": "nothing",
+        "USER": "postgres",
+        "HOST": "127.0.0.1",
+        "PORT": "1",
+    },
+    # A vendor the database backend does not support.
+    "unsupported": {"ENGINE": "django.db.backends.dummy"},
 }
 
 SYNCGUARD_BACKENDS = {

@@ -5,4 +5,5 @@ from tests.testapp import views
 urlpatterns = [
     path("invoices/<int:pk>/pay/", views.pay_invoice),
     path("async/invoices/<int:pk>/pay/", views.apay_invoice),
+    path("atomic/invoices/<int:pk>/pay/", views.pay_atomic),
 ]

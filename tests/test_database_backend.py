@@ -1,0 +1,383 @@
+"""What is particular to the database backend (the contract suite covers the rest)."""
+
+from __future__ import annotations
+
+import socket
+import sqlite3
+import threading
+import time
+
+import psycopg
+import pytest
+from django.db import connections, transaction
+from django.test.utils import CaptureQueriesContext
+
+from django_syncguard import (
+    Aborted,
+    Internal,
+    InvalidArgument,
+    NetworkTimeout,
+    ServiceUnavailable,
+    generate_lock_id,
+)
+from django_syncguard.backends.database import DatabaseBackend, map_database_error
+from django_syncguard.errors import AuthFailed, RateLimited
+from tests.harness import PostgresHarness, SqliteHarness
+from tests.testapp.models import Account
+
+DB = "django_syncguard.backends.database.DatabaseBackend"
+on_postgres = pytest.mark.django_db(transaction=True, databases=["postgres"])
+on_sqlite = pytest.mark.django_db(transaction=True, databases=["default"])
+
+
+@pytest.fixture
+def pg():
+    harness = PostgresHarness()
+    yield harness
+    harness.close()
+
+
+@pytest.fixture
+def lite():
+    harness = SqliteHarness()
+    yield harness
+    harness.close()
+
+
+def observer(database: str) -> DatabaseBackend:
+    """Another backend object: its own connection, as another process would have."""
+    return DatabaseBackend("observer", {"OPTIONS": {"DATABASE": database}})
+
+
+# ------------------------------------------------------------ round trips
+@on_postgres
+def test_each_operation_is_one_statement_on_postgres(pg):
+    backend = pg.backend
+    conn = backend.connection()
+    conn.ensure_connection()
+    operations = {
+        "acquire": lambda: backend.acquire("rt", 10_000),
+        "contended acquire": lambda: backend.acquire("rt", 10_000),
+        "is_locked": lambda: backend.is_locked("rt"),
+        "lookup by key": lambda: backend.lookup(key="rt"),
+        "lookup by id": lambda: backend.lookup(lock_id=held.lock_id),
+        "extend": lambda: backend.extend(held.lock_id, 10_000),
+        "release": lambda: backend.release(held.lock_id),
+        "failed release": lambda: backend.release(held.lock_id),
+    }
+    counts = {}
+    held = None
+    for name, operation in operations.items():
+        with CaptureQueriesContext(conn) as queries:
+            outcome = operation()
+        if held is None:
+            held = outcome
+        counts[name] = len(queries)
+    assert counts == dict.fromkeys(operations, 1)
+
+
+@on_postgres
+def test_acquire_statement_is_the_installed_function(pg):
+    conn = pg.backend.connection()
+    with CaptureQueriesContext(conn) as queries:
+        pg.backend.acquire("fn", 10_000)
+    assert queries[0]["sql"].startswith(
+        "SELECT status, fence, expires_at_ms FROM syncguard_acquire("
+    )
+
+
+@on_postgres
+def test_migration_leaves_only_the_needed_indexes(pg):
+    with pg.backend.connection().cursor() as cursor:
+        cursor.execute(
+            "SELECT tablename, indexname FROM pg_indexes WHERE tablename IN "
+            "('syncguard_locks', 'syncguard_fence_counters') ORDER BY 1, 2"
+        )
+        rows = cursor.fetchall()
+    assert [table for table, _ in rows] == [
+        "syncguard_fence_counters",
+        "syncguard_locks",
+        "syncguard_locks",
+        "syncguard_locks",
+    ]
+    names = [name for _, name in rows]
+    assert "syncguard_locks_expires_idx" in names
+    assert not [n for n in names if n.endswith("_like")]
+
+
+# ----------------------------------------------- independence from transactions
+class PaymentFailed(Exception):
+    pass
+
+
+def take_lock_then_roll_back(harness, database, *, write_first):
+    """In one transaction of ``database``: write a row, take a lock, see it from
+    elsewhere, then fail. Returns the lock's result."""
+    other = observer(database)
+    with transaction.atomic(using=database):
+        if write_first:  # PostgreSQL: the lock is independent even after a write
+            Account.objects.using(database).create(name="inside")
+        result = harness.backend.acquire("invoice:1", 60_000)
+        if not write_first:  # SQLite: one writer at a time, so lock before writing
+            Account.objects.using(database).create(name="inside")
+        assert other.is_locked("invoice:1") is True  # visible at once, before any commit
+        other.close()
+        raise PaymentFailed(result)
+
+
+@pytest.mark.parametrize(
+    ("harness_cls", "database", "write_first"),
+    [(SqliteHarness, "default", False), (PostgresHarness, "postgres", True)],
+    ids=["sqlite", "postgres"],
+)
+@pytest.mark.django_db(transaction=True, databases=["default", "postgres"])
+def test_lock_taken_inside_atomic_survives_rollback(harness_cls, database, write_first):
+    harness = harness_cls()
+    with pytest.raises(PaymentFailed) as failed:
+        take_lock_then_roll_back(harness, database, write_first=write_first)
+    result = failed.value.args[0]
+    assert Account.objects.using(database).filter(name="inside").exists() is False
+    assert observer(database).is_locked("invoice:1") is True  # not rolled back
+    assert harness.backend.release(result.lock_id).ok is True
+    assert harness.backend.acquire("invoice:1", 1_000).fence == "000000000000002"
+    harness.close()
+
+
+@on_sqlite
+def test_sqlite_lock_after_a_write_in_the_same_transaction_times_out():
+    # SQLite has one writer at a time: a transaction that has already written holds
+    # the database until it ends, so a lock taken after that write waits, then fails
+    # cleanly (take the lock first, as @locked on a view does).
+    backend = DatabaseBackend("short", {"OPTIONS": {"OPERATION_TIMEOUT_MS": 200}})
+    with transaction.atomic(using="default"):
+        Account.objects.create(name="first")
+        with pytest.raises(NetworkTimeout, match="database is locked"):
+            backend.acquire("invoice:9", 1_000)
+    backend.close()
+    assert observer("default").is_locked("invoice:9") is False
+
+
+@pytest.mark.django_db(transaction=True, databases=["default", "postgres"])
+def test_atomic_requests_view(client, settings, monkeypatch, pg):
+    monkeypatch.setitem(connections["postgres"].settings_dict, "ATOMIC_REQUESTS", True)
+    settings.SYNCGUARD_BACKENDS = {"default": {"BACKEND": DB, "OPTIONS": {"DATABASE": "postgres"}}}
+
+    with pytest.raises(RuntimeError, match="payment provider failed"):
+        client.post("/atomic/invoices/3/pay/?fail=1")
+    # The view's write was rolled back with its request; its lock and fence were not.
+    assert Account.objects.using("postgres").filter(name="paid-3").exists() is False
+    assert pg.backend.is_locked("invoice:3") is False  # released by the decorator
+
+    ok = client.post("/atomic/invoices/3/pay/").json()
+    assert ok == {"fence": "000000000000002", "visible_elsewhere": True, "in_atomic": True}
+    assert Account.objects.using("postgres").get(name="paid-3").fence == "000000000000002"
+
+
+# ------------------------------------------------------------- dead servers
+def test_refused_connection_is_service_unavailable(django_db_blocker):
+    backend = DatabaseBackend("dead", {"OPTIONS": {"DATABASE": "dead"}})
+    with django_db_blocker.unblock():
+        for call in (
+            lambda: backend.acquire("k", 1_000),
+            lambda: backend.release(generate_lock_id()),
+            lambda: backend.is_locked("k"),
+        ):
+            with pytest.raises(ServiceUnavailable) as caught:
+                call()
+            assert "'dead'" in str(caught.value)
+            assert isinstance(caught.value.__cause__, Exception)
+    backend.close()
+
+
+def test_silent_server_times_out_at_the_connect_timeout(django_db_blocker, monkeypatch):
+    # A socket that accepts TCP connections and never answers: a hung server.
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(16)
+    monkeypatch.setitem(connections["dead"].settings_dict, "PORT", str(silent.getsockname()[1]))
+    backend = DatabaseBackend(
+        "silent", {"OPTIONS": {"DATABASE": "dead", "CONNECT_TIMEOUT_MS": 2_000}}
+    )
+    started = time.monotonic()
+    with django_db_blocker.unblock(), pytest.raises(NetworkTimeout, match="timeout expired"):
+        backend.acquire("k", 1_000)
+    assert time.monotonic() - started < 30  # bounded: no hang
+    backend.close()
+    silent.close()
+
+
+# ------------------------------------------------------------- error mapping
+@pytest.mark.parametrize(
+    ("sqlstate", "expected"),
+    [
+        ("57014", NetworkTimeout),  # statement_timeout
+        ("55P03", NetworkTimeout),  # lock_timeout
+        ("57P01", ServiceUnavailable),  # admin shutdown
+        ("08006", ServiceUnavailable),  # connection failure
+        ("53300", RateLimited),  # too many connections
+        ("53100", ServiceUnavailable),  # disk full
+        ("28P01", AuthFailed),  # wrong password
+        ("42501", AuthFailed),  # insufficient privilege
+        ("40P01", ServiceUnavailable),  # deadlock
+        ("22001", InvalidArgument),  # string data right truncation
+        ("23505", InvalidArgument),  # unique violation
+        ("42P01", Internal),  # undefined table
+        ("XX000", Internal),  # internal error
+    ],
+)
+def test_postgres_errors_map_by_sqlstate(sqlstate, expected):
+    driver_error = psycopg.errors.lookup(sqlstate)("server said no")
+    error = map_database_error(driver_error, "postgres")
+    assert type(error) is expected
+    assert error.context["cause"] is driver_error
+
+
+def test_missing_tables_say_how_to_fix_them():
+    error = map_database_error(
+        sqlite3.OperationalError("no such table: syncguard_locks"), "default"
+    )
+    assert type(error) is Internal
+    assert "migrate django_syncguard --database default" in str(error)
+    pg_error = map_database_error(psycopg.errors.lookup("42883")("no function"), "postgres")
+    assert "migrate django_syncguard --database postgres" in str(pg_error)
+
+
+@pytest.mark.parametrize(
+    ("message", "expected"),
+    [
+        ("database is locked", NetworkTimeout),
+        ("unable to open database file", ServiceUnavailable),
+        ("disk I/O error", ServiceUnavailable),
+        ("something new", Internal),
+    ],
+)
+def test_sqlite_errors_map_by_message(message, expected):
+    assert type(map_database_error(sqlite3.OperationalError(message), "default")) is expected
+
+
+# ------------------------------------------------------------------ cleanup
+@pytest.mark.parametrize(
+    "harness_cls", [SqliteHarness, PostgresHarness], ids=["sqlite", "postgres"]
+)
+@pytest.mark.django_db(transaction=True, databases=["default", "postgres"])
+def test_cleanup_in_is_locked_deletes_long_expired_records_only(harness_cls):
+    harness = harness_cls(CLEANUP_IN_IS_LOCKED=True)
+    backend = harness.backend
+    backend.acquire("old", 1_000)
+    backend.acquire("recent", 1_000)
+    harness.advance(1_000 + 1_500)  # both expired; 1500 ms past expiry is inside the guard
+    assert backend.is_locked("recent") is False
+    assert stored_keys(backend) == ["old", "recent"]
+    harness.advance(1_000)  # 2500 ms past expiry: beyond the 2000 ms guard
+    assert backend.is_locked("old") is False
+    assert stored_keys(backend) == ["recent"]
+    assert backend.acquire("old", 1_000).fence == "000000000000002"  # counter survived
+    harness.close()
+
+
+@on_postgres
+def test_is_locked_never_writes_without_cleanup(pg):
+    pg.backend.acquire("k", 1_000)
+    pg.advance(60_000)
+    assert pg.backend.is_locked("k") is False
+    assert stored_keys(pg.backend) == ["k"]
+
+
+def stored_keys(backend: DatabaseBackend) -> list[str]:
+    with backend.connection().cursor() as cursor:
+        cursor.execute("SELECT key FROM syncguard_locks ORDER BY key")
+        return [row[0] for row in cursor.fetchall()]
+
+
+# ------------------------------------------------------------- long keys
+@pytest.mark.parametrize(
+    "harness_cls", [SqliteHarness, PostgresHarness], ids=["sqlite", "postgres"]
+)
+@pytest.mark.django_db(transaction=True, databases=["default", "postgres"])
+def test_keys_are_stored_as_is_and_raw_key_is_kept(harness_cls):
+    harness = harness_cls()
+    key = "é" * 256  # 512 bytes: within the 1700-byte budget, stored as is
+    result = harness.backend.acquire(key, 10_000)
+    assert stored_keys(harness.backend) == [key]
+    assert harness.backend.lookup_raw(lock_id=result.lock_id).key == key
+    harness.close()
+
+
+# ------------------------------------------------------------------ cancel
+class CancelOnSecondCheck:
+    """Not set when the base class checks before I/O; set at the next check."""
+
+    def __init__(self):
+        self.checks = 0
+
+    def is_set(self):
+        self.checks += 1
+        return self.checks > 1
+
+
+@on_sqlite
+def test_sqlite_acquire_checks_cancel_before_writing(lite):
+    cancel = CancelOnSecondCheck()
+    with pytest.raises(Aborted):
+        lite.backend.acquire("k", 1_000, cancel=cancel)
+    assert cancel.checks == 2
+    assert lite.backend.is_locked("k") is False
+    assert lite.backend.acquire("k", 1_000).fence == "000000000000001"  # nothing written
+
+
+# ----------------------------------------------------------- configuration
+def test_unsupported_vendor_is_refused():
+    with pytest.raises(InvalidArgument, match="supports PostgreSQL and SQLite"):
+        DatabaseBackend("x", {"OPTIONS": {"DATABASE": "unsupported"}})
+
+
+def test_unknown_database_alias_is_refused():
+    with pytest.raises(InvalidArgument, match="'nope' is not an alias of DATABASES"):
+        DatabaseBackend("x", {"OPTIONS": {"DATABASE": "nope"}})
+
+
+def test_private_connection_settings():
+    backend = DatabaseBackend(
+        "x",
+        {
+            "OPTIONS": {
+                "DATABASE": "postgres",
+                "CONNECT_TIMEOUT_MS": 3_500,
+                "OPERATION_TIMEOUT_MS": 1_200,
+            }
+        },
+    )
+    settings_dict = backend.connection().settings_dict
+    assert settings_dict["AUTOCOMMIT"] is True
+    assert settings_dict["ATOMIC_REQUESTS"] is False
+    assert settings_dict["OPTIONS"]["connect_timeout"] == 4
+    assert "-c statement_timeout=1200" in settings_dict["OPTIONS"]["options"]
+    assert "-c lock_timeout=1200" in settings_dict["OPTIONS"]["options"]
+    assert backend.connection() is not connections["postgres"]
+
+
+def test_each_thread_gets_its_own_connection():
+    backend = DatabaseBackend("x", {"OPTIONS": {"DATABASE": "default"}})
+    seen = []
+    thread = threading.Thread(target=lambda: seen.append(backend.connection()))
+    thread.start()
+    thread.join()
+    assert seen[0] is not backend.connection()
+    assert backend.connection() is backend.connection()
+    backend.close()
+
+
+# ------------------------------------------------------------------ restarts
+@pytest.mark.slow
+@on_postgres
+def test_fences_survive_a_restart_and_the_backend_reconnects(pg, postgres_server):
+    first = pg.backend.acquire("k", 60_000)
+    assert pg.backend.release(first.lock_id).ok
+    postgres_server.restart()
+    connections["postgres"].close()  # the test runner's own connection died too
+    # The connection the backend held was cut: that call fails cleanly ...
+    with pytest.raises(ServiceUnavailable):
+        pg.backend.acquire("k", 60_000)
+    # ... and the same backend object opens a new one on the next call.
+    second = pg.backend.acquire("k", 60_000)
+    assert second.fence == "000000000000002"

@@ -1,0 +1,70 @@
+"""Code that runs in child processes of the concurrency tests (spawned, not forked).
+
+Each child sets Django up from the test settings, pointed at the parent's test
+databases, and talks to them through its own connections, exactly as separate
+worker processes of a deployed project would.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from typing import Any
+
+
+def setup_django(databases: dict[str, dict[str, Any]]) -> None:
+    os.environ["DJANGO_SETTINGS_MODULE"] = "tests.settings"
+    import django
+    from django.conf import settings
+
+    for alias, settings_dict in databases.items():
+        settings.DATABASES[alias] = settings_dict
+    django.setup()
+
+
+def hammer(databases, database, key, iterations, account_pk, barrier, results) -> None:
+    """Take ``key`` ``iterations`` times; inside, increment a row by read-modify-write."""
+    setup_django(databases)
+    from django_syncguard import current_lock, lock
+    from django_syncguard.backends.database import DatabaseBackend
+    from tests.testapp.models import Account
+
+    backend = DatabaseBackend("worker", {"OPTIONS": {"DATABASE": database}})
+    accounts = Account.objects.using(database)
+    records: list[tuple[int, str]] = []
+
+    def critical_section() -> None:
+        seen = accounts.get(pk=account_pk).balance  # read ...
+        accounts.filter(pk=account_pk).update(balance=seen + 1)  # ... modify, write
+        records.append((seen, current_lock().fence))
+
+    barrier.wait()
+    for _ in range(iterations):
+        lock(
+            critical_section,
+            key=key,
+            using=backend,
+            ttl_ms=60_000,
+            retry_delay_ms=1,
+            max_retries=1_000_000,
+            timeout_ms=120_000,
+        )
+    results.put(records)
+
+
+def first_acquisitions(databases, database, keys, seed, barrier, results) -> None:
+    """Race the other processes to acquire (then release) every fresh key once."""
+    setup_django(databases)
+    from django_syncguard.backends.database import DatabaseBackend
+
+    backend = DatabaseBackend("worker", {"OPTIONS": {"DATABASE": database}})
+    order = list(keys)
+    random.Random(seed).shuffle(order[len(order) // 2 :])  # same start, then diverge
+    got: list[tuple[str, str]] = []
+    for key in order:
+        barrier.wait()
+        result = backend.acquire(key, 60_000)
+        if result.ok:
+            got.append((key, result.fence))
+            backend.release(result.lock_id)
+    results.put(got)
