@@ -10,13 +10,20 @@ BIN := $(VENV)/bin
 
 .PHONY: demo test lint pytest clean
 
-$(BIN)/.installed: pyproject.toml
+$(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
+
+# The demo needs only the package; the tests need every extra.
+$(BIN)/.installed-base: pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install --quiet -e .
+	touch $@
+
+$(BIN)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install --quiet -e ".[dev]"
 	touch $@
 
-demo: $(BIN)/.installed
+demo: $(BIN)/.installed-base
 	cd example_project && ../$(BIN)/python manage.py migrate --noinput --verbosity 0
 	cd example_project && ../$(BIN)/python manage.py syncguard_demo
 

@@ -47,14 +47,13 @@ DATABASES = {
     "default": {
         "ENGINE": "django.db.backends.sqlite3",
         "NAME": os.environ.get("EXAMPLE_DB_PATH", BASE_DIR / "db.sqlite3"),
+        # WAL lets readers and the lock backend's writes proceed side by side.
+        "OPTIONS": {"init_command": "PRAGMA journal_mode=WAL;"},
     }
 }
 
-# In-process locks for now; the database backend (locks in this SQLite file) replaces
-# this once it exists.
-SYNCGUARD_BACKENDS = {
-    "default": {"BACKEND": "django_syncguard.backends.memory.MemoryBackend"},
-}
+# No SYNCGUARD_BACKENDS: the "default" lock alias is the database backend over
+# DATABASES["default"], so the locks live in the same SQLite file.
 
 LOGGING = {
     "version": 1,
