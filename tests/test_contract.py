@@ -170,6 +170,16 @@ def test_extend_keeps_fence_and_acquired_time(backend, harness):
     assert (again.fence, again.acquired_at_ms) == (result.fence, info.acquired_at_ms)
 
 
+def test_failed_release_and_extend_say_why(backend, harness):
+    expired = acquire_ok(harness, "why", ttl_ms=1_000)
+    harness.advance(5_000)
+    assert backend.extend(expired.lock_id, TTL).reason == "expired"
+    assert backend.release(expired.lock_id).reason == "expired"
+    unknown = generate_lock_id()
+    assert backend.release(unknown).reason == "not-found"
+    assert backend.extend(unknown, TTL).reason == "not-found"
+
+
 # ------------------------------------------------------------------ ownership
 def test_release_with_other_lock_id_leaves_lock_alone(backend, harness):
     result = acquire_ok(harness, "mine")

@@ -64,30 +64,9 @@ PG_ACQUIRE = (
     "SELECT status, fence, expires_at_ms FROM syncguard_acquire(%s, %s, %s, %s, %s, %s, %s)"
 )
 
-# Delete the live lock the id names; report whether a row with that id existed at
-# all (the outer SELECT sees the table as it was before the DELETE), which tells
-# "expired" from "not-found" at no extra round trip.
-PG_RELEASE = f"""
-WITH t AS (SELECT {PG_NOW_MS} AS now_ms),
-gone AS (
-    DELETE FROM syncguard_locks l USING t
-    WHERE l.lock_id = %s AND l.expires_at_ms > t.now_ms - %s
-    RETURNING 1
-)
-SELECT (SELECT count(*) FROM gone),
-       EXISTS (SELECT 1 FROM syncguard_locks WHERE lock_id = %s)
-"""
-
-PG_EXTEND = f"""
-WITH t AS (SELECT {PG_NOW_MS} AS now_ms),
-renewed AS (
-    UPDATE syncguard_locks l SET expires_at_ms = t.now_ms + %s FROM t
-    WHERE l.lock_id = %s AND l.expires_at_ms > t.now_ms - %s
-    RETURNING l.expires_at_ms
-)
-SELECT (SELECT expires_at_ms FROM renewed),
-       EXISTS (SELECT 1 FROM syncguard_locks WHERE lock_id = %s)
-"""
+# Functions installed by migration 0002; status 1 = done, 2 = expired, 0 = not found.
+PG_RELEASE = "SELECT syncguard_release(%s, %s)"
+PG_EXTEND = "SELECT status, expires_at_ms FROM syncguard_extend(%s, %s, %s)"
 
 PG_IS_LOCKED = f"""
 SELECT EXISTS (
@@ -383,8 +362,9 @@ class DatabaseBackend(BaseLockBackend):
     # --------------------------------------------------------------- release
     def _release(self, lock_id: str, cancel: CancelToken | None) -> ReleaseResult:
         if self.vendor == "postgresql":
-            params = [lock_id, TIME_TOLERANCE_MS, lock_id]
-            deleted, existed = self._run(lambda c: _fetch_row(c, PG_RELEASE, params))
+            params = [lock_id, TIME_TOLERANCE_MS]
+            status = self._run(lambda c: _fetch_value(c, PG_RELEASE, params))
+            deleted, existed = status == 1, status == 2
         else:
             now = self.clock()
 
@@ -402,8 +382,9 @@ class DatabaseBackend(BaseLockBackend):
     # ---------------------------------------------------------------- extend
     def _extend(self, lock_id: str, ttl_ms: int, cancel: CancelToken | None) -> ExtendResult:
         if self.vendor == "postgresql":
-            params = [ttl_ms, lock_id, TIME_TOLERANCE_MS, lock_id]
-            expires, existed = self._run(lambda c: _fetch_row(c, PG_EXTEND, params))
+            params = [lock_id, ttl_ms, TIME_TOLERANCE_MS]
+            status, expires = self._run(lambda c: _fetch_row(c, PG_EXTEND, params))
+            existed = status == 2
         else:
             now = self.clock()
 

@@ -5,15 +5,19 @@
 from django.db import migrations
 
 # The acquire operation of the database backend on PostgreSQL, in one round trip.
-# Under a transaction-scoped advisory lock on the storage key (so concurrent
-# acquirers of one key, including first acquirers of a key with no counter row yet,
-# run one after the other):
-#   1. a live lock on the key -> status 0 (contention), nothing written;
-#   2. the next fence above p_max_fence -> status 2 (overflow), nothing written;
-#   3. insert the lock, or replace an expired one; the replacement re-checks expiry
-#      so an extend that committed meanwhile is never overwritten (status 0);
-#   4. only then store the new counter value -> status 1.
-# Time is clock_timestamp(): the moment of the call, not of the transaction start.
+# Under a transaction-scoped advisory lock on the storage key, concurrent acquirers
+# of one key (including first acquirers of a key that has no counter row yet) run
+# one after the other, and each reads what the previous one committed:
+#   1. read the key's lock row and fence counter in one statement;
+#   2. a live lock -> status 0 (contention), nothing written;
+#   3. the next fence above p_max_fence -> status 2 (overflow), nothing written;
+#   4. insert the lock, or replace the expired one; the replacement re-checks expiry,
+#      so an extend that committed meanwhile (extend takes no advisory lock) is never
+#      overwritten (status 0);
+#   5. only then store the new counter value -> status 1.
+# Only acquire inserts rows, and only under this advisory lock, so plain INSERTs
+# cannot meet a conflicting row. Time is clock_timestamp(): the moment of the call,
+# not the start of the transaction.
 ACQUIRE_FUNCTION = """
 CREATE OR REPLACE FUNCTION syncguard_acquire(
     p_key text, p_fence_key text, p_lock_id text, p_ttl_ms bigint,
@@ -23,49 +27,97 @@ LANGUAGE plpgsql AS $$
 DECLARE
     v_now bigint;
     v_expires bigint;
+    v_last bigint;
     v_fence bigint;
 BEGIN
     PERFORM pg_advisory_xact_lock(1937337447, hashtext(p_key));
     v_now := floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint;
-    SELECT l.expires_at_ms INTO v_expires FROM syncguard_locks l WHERE l.key = p_key;
-    IF FOUND AND v_expires > v_now - p_tolerance_ms THEN
+    SELECT (SELECT l.expires_at_ms FROM syncguard_locks l WHERE l.key = p_key),
+           (SELECT c.fence FROM syncguard_fence_counters c WHERE c.fence_key = p_fence_key)
+        INTO v_expires, v_last;
+    IF v_expires > v_now - p_tolerance_ms THEN
         RETURN QUERY SELECT 0::smallint, NULL::bigint, NULL::bigint;
         RETURN;
     END IF;
-    SELECT c.fence + 1 INTO v_fence FROM syncguard_fence_counters c
-        WHERE c.fence_key = p_fence_key;
-    IF NOT FOUND THEN
-        v_fence := 1;
-    END IF;
+    v_fence := coalesce(v_last, 0) + 1;
     IF v_fence > p_max_fence THEN
         RETURN QUERY SELECT 2::smallint, NULL::bigint, NULL::bigint;
         RETURN;
     END IF;
-    INSERT INTO syncguard_locks AS l
-        (key, lock_id, expires_at_ms, acquired_at_ms, fence, user_key)
-        VALUES (p_key, p_lock_id, v_now + p_ttl_ms, v_now, lpad(v_fence::text, 15, '0'),
-                p_user_key)
-        ON CONFLICT (key) DO UPDATE SET
-            lock_id = EXCLUDED.lock_id,
-            expires_at_ms = EXCLUDED.expires_at_ms,
-            acquired_at_ms = EXCLUDED.acquired_at_ms,
-            fence = EXCLUDED.fence,
-            user_key = EXCLUDED.user_key
-        WHERE l.expires_at_ms <= v_now - p_tolerance_ms;
-    IF NOT FOUND THEN
-        RETURN QUERY SELECT 0::smallint, NULL::bigint, NULL::bigint;
-        RETURN;
+    IF v_expires IS NULL THEN
+        INSERT INTO syncguard_locks (key, lock_id, expires_at_ms, acquired_at_ms, fence, user_key)
+            VALUES (p_key, p_lock_id, v_now + p_ttl_ms, v_now, lpad(v_fence::text, 15, '0'), p_user_key);
+    ELSE
+        UPDATE syncguard_locks l SET lock_id = p_lock_id, expires_at_ms = v_now + p_ttl_ms,
+            acquired_at_ms = v_now, fence = lpad(v_fence::text, 15, '0'), user_key = p_user_key
+            WHERE l.key = p_key AND l.expires_at_ms <= v_now - p_tolerance_ms;
+        IF NOT FOUND THEN
+            RETURN QUERY SELECT 0::smallint, NULL::bigint, NULL::bigint;
+            RETURN;
+        END IF;
     END IF;
-    INSERT INTO syncguard_fence_counters AS c (fence_key, fence) VALUES (p_fence_key, v_fence)
-        ON CONFLICT (fence_key) DO UPDATE SET fence = EXCLUDED.fence;
+    IF v_last IS NULL THEN
+        INSERT INTO syncguard_fence_counters (fence_key, fence) VALUES (p_fence_key, v_fence);
+    ELSE
+        UPDATE syncguard_fence_counters c SET fence = v_fence WHERE c.fence_key = p_fence_key;
+    END IF;
     RETURN QUERY SELECT 1::smallint, v_fence, v_now + p_ttl_ms;
 END;
 $$;
 """
 
-DROP_ACQUIRE_FUNCTION = (
-    "DROP FUNCTION IF EXISTS syncguard_acquire(text, text, text, bigint, text, bigint, bigint);"
-)
+
+# Release and extend: resolve the lock id, require the row to be live and delete or
+# renew it, in one statement inside the function (the row lock of DELETE/UPDATE
+# makes the check and the write atomic). Status 1: done; 2: the row exists but is no
+# longer live ("expired"); 0: no such lock id ("not-found"). As functions, their
+# plans are cached per session without protocol-level prepared statements, which
+# keeps them safe behind pgbouncer's transaction pooling.
+RELEASE_FUNCTION = """
+CREATE OR REPLACE FUNCTION syncguard_release(p_lock_id text, p_tolerance_ms bigint)
+RETURNS smallint
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_now bigint := floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint;
+BEGIN
+    DELETE FROM syncguard_locks
+        WHERE lock_id = p_lock_id AND expires_at_ms > v_now - p_tolerance_ms;
+    IF FOUND THEN
+        RETURN 1;
+    END IF;
+    PERFORM 1 FROM syncguard_locks WHERE lock_id = p_lock_id;
+    RETURN CASE WHEN FOUND THEN 2 ELSE 0 END;
+END;
+$$;
+"""
+
+EXTEND_FUNCTION = """
+CREATE OR REPLACE FUNCTION syncguard_extend(
+    p_lock_id text, p_ttl_ms bigint, p_tolerance_ms bigint
+) RETURNS TABLE (status smallint, expires_at_ms bigint)
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_now bigint := floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint;
+BEGIN
+    UPDATE syncguard_locks l SET expires_at_ms = v_now + p_ttl_ms
+        WHERE l.lock_id = p_lock_id AND l.expires_at_ms > v_now - p_tolerance_ms;
+    IF FOUND THEN
+        RETURN QUERY SELECT 1::smallint, v_now + p_ttl_ms;
+        RETURN;
+    END IF;
+    PERFORM 1 FROM syncguard_locks l WHERE l.lock_id = p_lock_id;
+    RETURN QUERY SELECT (CASE WHEN FOUND THEN 2 ELSE 0 END)::smallint, NULL::bigint;
+END;
+$$;
+"""
+
+CREATE_FUNCTIONS = ACQUIRE_FUNCTION + RELEASE_FUNCTION + EXTEND_FUNCTION
+
+DROP_FUNCTIONS = """
+DROP FUNCTION IF EXISTS syncguard_acquire(text, text, text, bigint, text, bigint, bigint);
+DROP FUNCTION IF EXISTS syncguard_release(text, bigint);
+DROP FUNCTION IF EXISTS syncguard_extend(text, bigint, bigint);
+"""
 
 
 def _postgres_only(sql):
@@ -98,7 +150,5 @@ class Migration(migrations.Migration):
 
     operations = [
         migrations.RunPython(_drop_like_indexes, migrations.RunPython.noop),
-        migrations.RunPython(
-            _postgres_only(ACQUIRE_FUNCTION), _postgres_only(DROP_ACQUIRE_FUNCTION)
-        ),
+        migrations.RunPython(_postgres_only(CREATE_FUNCTIONS), _postgres_only(DROP_FUNCTIONS)),
     ]

@@ -1,0 +1,161 @@
+"""Shared machinery of the benchmarks: clients, timing, the printed table.
+
+A *method* is a factory that, inside one client (thread or process), returns an
+``(acquire, release)`` pair: ``acquire(key)`` returns a token or ``None`` when the key
+is held, ``release(token)`` frees it. One *cycle* is a successful acquire followed by
+its release. Every method of one run is measured against the same server, with the
+same clients, keys and duration, so the ratios printed are side by side.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import platform
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+Acquire = Callable[[str], Any]
+Release = Callable[[Any], None]
+MethodFactory = Callable[[int], tuple[Acquire, Release]]
+
+
+@dataclass
+class Sample:
+    cycles: int = 0
+    attempts: int = 0
+    acquire_ns: list[int] = field(default_factory=list)
+    release_ns: list[int] = field(default_factory=list)
+
+    def merge(self, other: Sample) -> None:
+        self.cycles += other.cycles
+        self.attempts += other.attempts
+        self.acquire_ns += other.acquire_ns
+        self.release_ns += other.release_ns
+
+
+def run_client(factory: MethodFactory, client: int, shared: bool, seconds: float) -> Sample:
+    """One client's loop: acquire, release, repeat, for ``seconds``."""
+    acquire, release = factory(client)
+    sample = Sample()
+    keys = ["shared"] if shared else [f"c{client}:k{n}" for n in range(64)]
+    deadline = time.perf_counter() + seconds
+    n = 0
+    while time.perf_counter() < deadline:
+        key = keys[n % len(keys)]
+        n += 1
+        started = time.perf_counter_ns()
+        token = acquire(key)
+        acquired = time.perf_counter_ns()
+        sample.attempts += 1
+        sample.acquire_ns.append(acquired - started)
+        if token is None:
+            continue
+        release(token)
+        sample.release_ns.append(time.perf_counter_ns() - acquired)
+        sample.cycles += 1
+    return sample
+
+
+def _process_main(
+    setup: Callable[[], MethodFactory],
+    client: int,
+    shared: bool,
+    seconds: float,
+    start: Any,
+    out: Any,
+) -> None:
+    factory = setup()
+    start.wait()
+    out.put(run_client(factory, client, shared, seconds))
+
+
+def measure(setup: Callable[[], MethodFactory], mode: str, shared: bool, seconds: float) -> Sample:
+    """Run one scenario: ``mode`` is ``"1 client"``, ``"8 threads"`` or ``"4 processes"``.
+
+    ``setup`` is called once per process (it must be picklable for processes: a
+    module-level function or a ``functools.partial`` of one).
+    """
+    total = Sample()
+    if mode == "1 client":
+        total.merge(run_client(setup(), 0, shared, seconds))
+        return total
+    if mode == "8 threads":
+        factory = setup()
+        results: list[Sample] = []
+        barrier = threading.Barrier(8)
+
+        def thread_main(client: int) -> None:
+            barrier.wait()
+            results.append(run_client(factory, client, shared, seconds))
+
+        threads = [threading.Thread(target=thread_main, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for sample in results:
+            total.merge(sample)
+        return total
+    ctx = multiprocessing.get_context("spawn")
+    start, out = ctx.Barrier(4), ctx.Queue()
+    procs = [
+        ctx.Process(target=_process_main, args=(setup, i, shared, seconds, start, out))
+        for i in range(4)
+    ]
+    for p in procs:
+        p.start()
+    for _ in procs:
+        total.merge(out.get(timeout=seconds * 10 + 120))
+    for p in procs:
+        p.join()
+    return total
+
+
+def percentile_us(values: list[int], q: float) -> float:
+    if not values:
+        return float("nan")
+    if len(values) == 1:
+        return values[0] / 1000
+    return statistics.quantiles(values, n=100, method="inclusive")[round(q) - 1] / 1000
+
+
+def machine() -> str:
+    return (
+        f"{platform.node()}: {os.cpu_count()} cores, Python {platform.python_version()}, "
+        f"{platform.platform()}"
+    )
+
+
+def print_table(
+    title: str,
+    rows: list[tuple[str, str, str, Sample]],
+    seconds: float,
+    baseline: str,
+    also: str | None = None,
+) -> None:
+    """Print cycles/s and per-operation latency, with ratios to ``baseline`` (and ``also``)."""
+    print(f"\n## {title}\n")
+    header = f"| scenario | keys | method | cycles/s | x {baseline} |"
+    header += f" x {also} |" if also else ""
+    header += " acquire p50 µs | acquire p99 µs | release p50 µs | release p99 µs | attempts/s |"
+    print(header)
+    print("|" + "---|" * (header.count("|") - 1))
+    rates = {(m, k, name): s.cycles / seconds for m, k, name, s in rows}
+    for mode, keys, name, sample in rows:
+        rate = sample.cycles / seconds
+        base = rates.get((mode, keys, baseline)) or float("nan")
+        line = f"| {mode} | {keys} | {name} | {rate:,.0f} | {rate / base:.2f} |"
+        if also:
+            other = rates.get((mode, keys, also)) or float("nan")
+            line += f" {rate / other:.2f} |"
+        line += (
+            f" {percentile_us(sample.acquire_ns, 50):,.0f} | {percentile_us(sample.acquire_ns, 99):,.0f} |"
+            f" {percentile_us(sample.release_ns, 50):,.0f} | {percentile_us(sample.release_ns, 99):,.0f} |"
+            f" {sample.attempts / seconds:,.0f} |"
+        )
+        print(line, flush=True)

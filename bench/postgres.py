@@ -1,0 +1,293 @@
+"""Acquire+release cycles on PostgreSQL: our backend next to its floor and its peers.
+
+    .venv/bin/python bench/postgres.py [--seconds 2] [--memory-locks 20000]
+
+Starts a throw-away PostgreSQL 15 with its default (durable) settings on a free
+loopback port, and measures, side by side against that one server:
+
+- ``syncguard``: ``DatabaseBackend.acquire`` + ``release`` (one statement each);
+- ``floor``: two autocommit single-row writes, an expiry-aware upsert and a delete:
+  the least a durable lock with expiry can cost (no fence, no lock id index);
+- ``seeds``: the specification's transaction pattern (advisory lock, SELECT ... FOR
+  UPDATE, two-step fence increment, upsert; release by SELECT ... FOR UPDATE +
+  DELETE), statement by statement;
+- ``advisory``: ``pg_try_advisory_lock`` / ``pg_advisory_unlock`` (django-pglocks'
+  method), for context: it writes nothing, has no fence and no expiry, and a lock
+  dies with its connection.
+
+Each for 1 client, 8 threads and 4 processes, on distinct keys and one shared key.
+Then the memory one held lock costs (rows, indexes, its fence counter).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.common import MethodFactory, Sample, machine, measure, print_table  # noqa: E402
+from tests.servers import PostgresServer  # noqa: E402
+
+NOW_MS = "floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint"
+
+PEER_TABLES = """
+CREATE TABLE IF NOT EXISTS bench_floor (
+    key text PRIMARY KEY, lock_id text NOT NULL, expires_at_ms bigint NOT NULL);
+CREATE TABLE IF NOT EXISTS bench_seed_locks (
+    key text PRIMARY KEY, lock_id text NOT NULL UNIQUE, expires_at_ms bigint NOT NULL,
+    acquired_at_ms bigint NOT NULL, fence text NOT NULL, user_key text NOT NULL);
+CREATE INDEX IF NOT EXISTS bench_seed_locks_expires ON bench_seed_locks (expires_at_ms);
+CREATE TABLE IF NOT EXISTS bench_seed_fences (fence_key text PRIMARY KEY, fence bigint NOT NULL DEFAULT 0);
+"""
+
+
+def dsn(port: int) -> dict[str, Any]:
+    return {"host": "127.0.0.1", "port": port, "user": "postgres", "dbname": "bench"}
+
+
+def setup_django(port: int) -> None:
+    import django
+    from django.conf import settings
+
+    if not settings.configured:
+        settings.configure(
+            DATABASES={
+                "default": {
+                    "ENGINE": "django.db.backends.postgresql",
+                    "NAME": "bench",
+                    "USER": "postgres",
+                    "HOST": "127.0.0.1",
+                    "PORT": str(port),
+                }
+            },
+            INSTALLED_APPS=["django.contrib.contenttypes", "django_syncguard"],
+            USE_TZ=True,
+            SYNCGUARD_BACKENDS={
+                "default": {"BACKEND": "django_syncguard.backends.memory.MemoryBackend"}
+            },
+        )
+        django.setup()
+
+
+# ------------------------------------------------------------------ methods
+def syncguard(port: int) -> MethodFactory:
+    setup_django(port)
+    from django_syncguard.backends.database import DatabaseBackend
+
+    backend = DatabaseBackend("bench", {"OPTIONS": {"DATABASE": "default"}})
+
+    def factory(client: int):
+        def acquire(key: str):
+            result = backend.acquire(key, 30_000)
+            return result.lock_id if result.ok else None
+
+        def release(lock_id: str) -> None:
+            backend.release(lock_id)
+
+        return acquire, release
+
+    return factory
+
+
+def _connection(port: int):
+    import psycopg
+
+    return psycopg.connect(**dsn(port), autocommit=True)
+
+
+def floor(port: int) -> MethodFactory:
+    from django_syncguard.keys import generate_lock_id
+
+    def factory(client: int):
+        conn = _connection(port)
+
+        def acquire(key: str):
+            lock_id = generate_lock_id()
+            now = time.time_ns() // 1_000_000
+            row = conn.execute(
+                "INSERT INTO bench_floor AS f VALUES (%s, %s, %s) ON CONFLICT (key) DO UPDATE "
+                "SET lock_id = EXCLUDED.lock_id, expires_at_ms = EXCLUDED.expires_at_ms "
+                "WHERE f.expires_at_ms <= %s RETURNING 1",
+                (key, lock_id, now + 30_000, now),
+            ).fetchone()
+            return (key, lock_id) if row else None
+
+        def release(token) -> None:
+            conn.execute("DELETE FROM bench_floor WHERE key = %s AND lock_id = %s", token)
+
+        return acquire, release
+
+    return factory
+
+
+def seeds(port: int) -> MethodFactory:
+    from django_syncguard.keys import generate_lock_id
+
+    def factory(client: int):
+        conn = _connection(port)
+
+        def acquire(key: str):
+            lock_id = generate_lock_id()
+            with conn.transaction():
+                now = conn.execute(f"SELECT {NOW_MS}").fetchone()[0]
+                conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (key,))
+                row = conn.execute(
+                    "SELECT expires_at_ms FROM bench_seed_locks WHERE key = %s FOR UPDATE", (key,)
+                ).fetchone()
+                if row and row[0] > now - 1000:
+                    return None
+                conn.execute(
+                    "INSERT INTO bench_seed_fences (fence_key, fence) VALUES (%s, 0) "
+                    "ON CONFLICT (fence_key) DO NOTHING",
+                    (f"fence:{key}",),
+                )
+                fence = conn.execute(
+                    "UPDATE bench_seed_fences SET fence = fence + 1 WHERE fence_key = %s "
+                    "RETURNING fence",
+                    (f"fence:{key}",),
+                ).fetchone()[0]
+                conn.execute(
+                    "INSERT INTO bench_seed_locks VALUES (%s, %s, %s, %s, %s, %s) "
+                    "ON CONFLICT (key) DO UPDATE SET lock_id = EXCLUDED.lock_id, "
+                    "expires_at_ms = EXCLUDED.expires_at_ms, acquired_at_ms = EXCLUDED.acquired_at_ms, "
+                    "fence = EXCLUDED.fence, user_key = EXCLUDED.user_key",
+                    (key, lock_id, now + 30_000, now, f"{fence:015d}", key),
+                )
+            return lock_id
+
+        def release(lock_id: str) -> None:
+            with conn.transaction():
+                now = conn.execute(f"SELECT {NOW_MS}").fetchone()[0]
+                row = conn.execute(
+                    "SELECT key, lock_id, expires_at_ms FROM bench_seed_locks "
+                    "WHERE lock_id = %s FOR UPDATE",
+                    (lock_id,),
+                ).fetchone()
+                if row and row[1] == lock_id and row[2] > now - 1000:
+                    conn.execute("DELETE FROM bench_seed_locks WHERE key = %s", (row[0],))
+
+        return acquire, release
+
+    return factory
+
+
+def advisory(port: int) -> MethodFactory:
+    def factory(client: int):
+        conn = _connection(port)
+
+        def acquire(key: str):
+            got = conn.execute("SELECT pg_try_advisory_lock(hashtext(%s))", (key,)).fetchone()[0]
+            return key if got else None
+
+        def release(key: str) -> None:
+            conn.execute("SELECT pg_advisory_unlock(hashtext(%s))", (key,))
+
+        return acquire, release
+
+    return factory
+
+
+METHODS = {"syncguard": syncguard, "floor": floor, "seeds": seeds, "advisory": advisory}
+
+
+# ------------------------------------------------------------------- memory
+def memory_per_lock(port: int, count: int) -> tuple[float, dict[str, int]]:
+    """Bytes one held lock adds (lock row + its indexes + its fence row + its index)."""
+    setup_django(port)
+    from django.db import connection
+
+    from django_syncguard.backends.database import DatabaseBackend
+
+    backend = DatabaseBackend("memory", {"OPTIONS": {"DATABASE": "default"}})
+    with connection.cursor() as cursor:
+        cursor.execute("TRUNCATE syncguard_locks, syncguard_fence_counters")
+        cursor.execute("VACUUM FULL syncguard_locks")
+        cursor.execute("VACUUM FULL syncguard_fence_counters")
+        before = _sizes(cursor)
+    for n in range(count):
+        assert backend.acquire(f"invoice:{n:07d}", 3_600_000).ok
+    with connection.cursor() as cursor:
+        cursor.execute("VACUUM syncguard_locks")
+        cursor.execute("VACUUM syncguard_fence_counters")
+        after = _sizes(cursor)
+    delta = {name: after[name] - before[name] for name in after}
+    return sum(delta.values()) / count, delta
+
+
+def _sizes(cursor) -> dict[str, int]:
+    cursor.execute(
+        "SELECT c.relname, pg_relation_size(c.oid) FROM pg_class c "
+        "JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = 'public' "
+        "AND c.relname LIKE 'syncguard%%'"
+    )
+    return dict(cursor.fetchall())
+
+
+# --------------------------------------------------------------------- main
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--seconds", type=float, default=3.0, help="per method and scenario")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="interleave the methods this many times per scenario (cancels drift)",
+    )
+    parser.add_argument("--memory-locks", type=int, default=20_000)
+    parser.add_argument("--modes", default="1 client,8 threads,4 processes")
+    args = parser.parse_args()
+
+    server = PostgresServer(settings=()).start()  # durable defaults: fsync, synchronous_commit
+    try:
+        import psycopg
+
+        with psycopg.connect(
+            host="127.0.0.1", port=server.port, user="postgres", dbname="postgres", autocommit=True
+        ) as admin:
+            admin.execute("CREATE DATABASE bench")
+        setup_django(server.port)
+        from django.core.management import call_command
+
+        call_command("migrate", "django_syncguard", verbosity=0)
+        with _connection(server.port) as conn:
+            conn.execute(PEER_TABLES)
+
+        print(
+            f"# PostgreSQL lock benchmark\n\n{machine()}; PostgreSQL 15 on 127.0.0.1, "
+            f"default settings (fsync on, synchronous_commit on); {args.seconds:g} s per "
+            f"method and scenario, in {args.rounds} interleaved rounds; psycopg {psycopg.__version__}."
+        )
+        rows: list[tuple[str, str, str, Sample]] = []
+        for mode in args.modes.split(","):
+            for shared in (False, True):
+                samples = {name: Sample() for name in METHODS}
+                for _ in range(args.rounds):
+                    for name, method in METHODS.items():
+                        setup = functools.partial(method, server.port)
+                        samples[name].merge(
+                            measure(setup, mode, shared, args.seconds / args.rounds)
+                        )
+                for name, sample in samples.items():
+                    rows.append((mode, "shared" if shared else "distinct", name, sample))
+        print_table("acquire + release cycles", rows, args.seconds, baseline="floor", also="seeds")
+        per_lock, delta = memory_per_lock(server.port, args.memory_locks)
+        print(
+            f"\n## memory\n\n{args.memory_locks:,} held locks on distinct keys: "
+            f"{per_lock:.0f} bytes per lock (rows, indexes and fence counter), by relation:"
+        )
+        for name, size in sorted(delta.items()):
+            print(f"- {name}: {size / args.memory_locks:.0f} B")
+    finally:
+        server.destroy()
+
+
+if __name__ == "__main__":
+    os.environ.pop("DJANGO_SETTINGS_MODULE", None)
+    main()
