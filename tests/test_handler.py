@@ -138,3 +138,27 @@ def test_memory_backend_built_from_dotted_clock_path():
 
 def frozen_clock() -> int:
     return 1_000_000
+
+
+def test_check_e003_database_backend_on_unsupported_vendor(settings):
+    settings.SYNCGUARD_BACKENDS = {
+        "default": {
+            "BACKEND": "django_syncguard.backends.database.DatabaseBackend",
+            "OPTIONS": {"DATABASE": "unsupported"},
+        }
+    }
+    [message] = check_backends()
+    assert message.id == "syncguard.E003"
+    assert "supports PostgreSQL and SQLite" in message.msg
+
+
+def test_migrations_match_the_models():
+    # What `makemigrations --check` does, without probing every DATABASES alias.
+    from django.apps import apps
+    from django.db.migrations.autodetector import MigrationAutodetector
+    from django.db.migrations.loader import MigrationLoader
+    from django.db.migrations.state import ProjectState
+
+    loader = MigrationLoader(None, ignore_no_migrations=True)
+    detector = MigrationAutodetector(loader.project_state(), ProjectState.from_apps(apps))
+    assert detector.changes(graph=loader.graph) == {}
