@@ -153,9 +153,7 @@ def print_table(
         if also:
             other = rates.get((mode, keys, also)) or float("nan")
             line += f" {rate / other:.2f} |"
-        line += (
-            f" {percentile_us(sample.acquire_ns, 50):,.0f} | {percentile_us(sample.acquire_ns, 99):,.0f} |"
-            f" {percentile_us(sample.release_ns, 50):,.0f} | {percentile_us(sample.release_ns, 99):,.0f} |"
-            f" {sample.attempts / seconds:,.0f} |"
-        )
+        for values in (sample.acquire_ns, sample.release_ns):
+            line += f" {percentile_us(values, 50):,.0f} | {percentile_us(values, 99):,.0f} |"
+        line += f" {sample.attempts / seconds:,.0f} |"
         print(line, flush=True)

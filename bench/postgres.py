@@ -44,7 +44,8 @@ CREATE TABLE IF NOT EXISTS bench_seed_locks (
     key text PRIMARY KEY, lock_id text NOT NULL UNIQUE, expires_at_ms bigint NOT NULL,
     acquired_at_ms bigint NOT NULL, fence text NOT NULL, user_key text NOT NULL);
 CREATE INDEX IF NOT EXISTS bench_seed_locks_expires ON bench_seed_locks (expires_at_ms);
-CREATE TABLE IF NOT EXISTS bench_seed_fences (fence_key text PRIMARY KEY, fence bigint NOT NULL DEFAULT 0);
+CREATE TABLE IF NOT EXISTS bench_seed_fences (
+    fence_key text PRIMARY KEY, fence bigint NOT NULL DEFAULT 0);
 """
 
 
@@ -156,7 +157,8 @@ def seeds(port: int) -> MethodFactory:
                 conn.execute(
                     "INSERT INTO bench_seed_locks VALUES (%s, %s, %s, %s, %s, %s) "
                     "ON CONFLICT (key) DO UPDATE SET lock_id = EXCLUDED.lock_id, "
-                    "expires_at_ms = EXCLUDED.expires_at_ms, acquired_at_ms = EXCLUDED.acquired_at_ms, "
+                    "expires_at_ms = EXCLUDED.expires_at_ms, "
+                    "acquired_at_ms = EXCLUDED.acquired_at_ms, "
                     "fence = EXCLUDED.fence, user_key = EXCLUDED.user_key",
                     (key, lock_id, now + 30_000, now, f"{fence:015d}", key),
                 )
@@ -262,7 +264,8 @@ def main() -> None:
         print(
             f"# PostgreSQL lock benchmark\n\n{machine()}; PostgreSQL 15 on 127.0.0.1, "
             f"default settings (fsync on, synchronous_commit on); {args.seconds:g} s per "
-            f"method and scenario, in {args.rounds} interleaved rounds; psycopg {psycopg.__version__}."
+            f"method and scenario, in {args.rounds} interleaved rounds; "
+            f"psycopg {psycopg.__version__}."
         )
         rows: list[tuple[str, str, str, Sample]] = []
         for mode in args.modes.split(","):

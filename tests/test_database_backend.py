@@ -81,9 +81,7 @@ def test_acquire_statement_is_the_installed_function(pg):
     conn = pg.backend.connection()
     with CaptureQueriesContext(conn) as queries:
         pg.backend.acquire("fn", 10_000)
-    assert queries[0]["sql"].startswith(
-        "SELECT status, fence, expires_at_ms FROM syncguard_acquire("
-    )
+    assert queries[0]["sql"].startswith("SELECT * FROM syncguard_acquire(")
 
 
 @on_postgres
@@ -381,3 +379,51 @@ def test_fences_survive_a_restart_and_the_backend_reconnects(pg, postgres_server
     # ... and the same backend object opens a new one on the next call.
     second = pg.backend.acquire("k", 60_000)
     assert second.fence == "000000000000002"
+
+
+@on_postgres
+def test_each_operation_is_one_query_message_on_the_wire(pg, tmp_path):
+    # Production path (no query logging): count the client's Query messages in a
+    # libpq protocol trace, i.e. round trips as the server sees them.
+    backend = pg.backend
+    wrapper = backend.connection()
+    wrapper.ensure_connection()
+    assert backend._direct(wrapper) is True
+    pgconn = wrapper.connection.pgconn
+    trace = tmp_path / "libpq.trace"
+    with trace.open("w") as out:
+        pgconn.trace(out.fileno())
+        pgconn.set_trace_flags(psycopg.pq.Trace.SUPPRESS_TIMESTAMPS)
+        held = backend.acquire("wire", 10_000)
+        backend.acquire("wire", 10_000)
+        backend.is_locked("wire")
+        backend.lookup(key="wire")
+        backend.lookup(lock_id=held.lock_id)
+        backend.extend(held.lock_id, 10_000)
+        backend.release(held.lock_id)
+        backend.release(held.lock_id)
+        pgconn.untrace()
+    sent = [line for line in trace.read_text().splitlines() if line.startswith("F\t")]
+    # Eight operations, eight messages from the client, each a single Query.
+    assert [line.split("\t")[2] for line in sent] == ["Query"] * 8
+    functions = [
+        next(
+            (
+                f
+                for f in ("syncguard_acquire", "syncguard_extend", "syncguard_release")
+                if f in line
+            ),
+            "select",
+        )
+        for line in sent
+    ]
+    assert functions == [
+        "syncguard_acquire",
+        "syncguard_acquire",
+        "select",
+        "select",
+        "select",
+        "syncguard_extend",
+        "syncguard_release",
+        "syncguard_release",
+    ]

@@ -21,47 +21,50 @@ from django.db import migrations
 ACQUIRE_FUNCTION = """
 CREATE OR REPLACE FUNCTION syncguard_acquire(
     p_key text, p_fence_key text, p_lock_id text, p_ttl_ms bigint,
-    p_user_key text, p_max_fence bigint, p_tolerance_ms bigint
-) RETURNS TABLE (status smallint, fence bigint, expires_at_ms bigint)
-LANGUAGE plpgsql AS $$
+    p_user_key text, p_max_fence bigint, p_tolerance_ms bigint,
+    OUT o_status smallint, OUT o_fence bigint, OUT o_expires_at_ms bigint
+) LANGUAGE plpgsql AS $$
 DECLARE
     v_now bigint;
     v_expires bigint;
     v_last bigint;
-    v_fence bigint;
 BEGIN
+    o_status := 0;  -- contention unless we get through
     PERFORM pg_advisory_xact_lock(1937337447, hashtext(p_key));
     v_now := floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint;
     SELECT (SELECT l.expires_at_ms FROM syncguard_locks l WHERE l.key = p_key),
            (SELECT c.fence FROM syncguard_fence_counters c WHERE c.fence_key = p_fence_key)
         INTO v_expires, v_last;
     IF v_expires > v_now - p_tolerance_ms THEN
-        RETURN QUERY SELECT 0::smallint, NULL::bigint, NULL::bigint;
         RETURN;
     END IF;
-    v_fence := coalesce(v_last, 0) + 1;
-    IF v_fence > p_max_fence THEN
-        RETURN QUERY SELECT 2::smallint, NULL::bigint, NULL::bigint;
+    o_fence := coalesce(v_last, 0) + 1;
+    IF o_fence > p_max_fence THEN
+        o_status := 2;
+        o_fence := NULL;
         RETURN;
     END IF;
+    o_expires_at_ms := v_now + p_ttl_ms;
     IF v_expires IS NULL THEN
         INSERT INTO syncguard_locks (key, lock_id, expires_at_ms, acquired_at_ms, fence, user_key)
-            VALUES (p_key, p_lock_id, v_now + p_ttl_ms, v_now, lpad(v_fence::text, 15, '0'), p_user_key);
+            VALUES (p_key, p_lock_id, o_expires_at_ms, v_now, lpad(o_fence::text, 15, '0'),
+                    p_user_key);
     ELSE
-        UPDATE syncguard_locks l SET lock_id = p_lock_id, expires_at_ms = v_now + p_ttl_ms,
-            acquired_at_ms = v_now, fence = lpad(v_fence::text, 15, '0'), user_key = p_user_key
+        UPDATE syncguard_locks l SET lock_id = p_lock_id, expires_at_ms = o_expires_at_ms,
+            acquired_at_ms = v_now, fence = lpad(o_fence::text, 15, '0'), user_key = p_user_key
             WHERE l.key = p_key AND l.expires_at_ms <= v_now - p_tolerance_ms;
         IF NOT FOUND THEN
-            RETURN QUERY SELECT 0::smallint, NULL::bigint, NULL::bigint;
+            o_fence := NULL;
+            o_expires_at_ms := NULL;
             RETURN;
         END IF;
     END IF;
     IF v_last IS NULL THEN
-        INSERT INTO syncguard_fence_counters (fence_key, fence) VALUES (p_fence_key, v_fence);
+        INSERT INTO syncguard_fence_counters (fence_key, fence) VALUES (p_fence_key, o_fence);
     ELSE
-        UPDATE syncguard_fence_counters c SET fence = v_fence WHERE c.fence_key = p_fence_key;
+        UPDATE syncguard_fence_counters c SET fence = o_fence WHERE c.fence_key = p_fence_key;
     END IF;
-    RETURN QUERY SELECT 1::smallint, v_fence, v_now + p_ttl_ms;
+    o_status := 1;
 END;
 $$;
 """
@@ -93,20 +96,21 @@ $$;
 
 EXTEND_FUNCTION = """
 CREATE OR REPLACE FUNCTION syncguard_extend(
-    p_lock_id text, p_ttl_ms bigint, p_tolerance_ms bigint
-) RETURNS TABLE (status smallint, expires_at_ms bigint)
-LANGUAGE plpgsql AS $$
+    p_lock_id text, p_ttl_ms bigint, p_tolerance_ms bigint,
+    OUT o_status smallint, OUT o_expires_at_ms bigint
+) LANGUAGE plpgsql AS $$
 DECLARE
     v_now bigint := floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint;
 BEGIN
     UPDATE syncguard_locks l SET expires_at_ms = v_now + p_ttl_ms
         WHERE l.lock_id = p_lock_id AND l.expires_at_ms > v_now - p_tolerance_ms;
     IF FOUND THEN
-        RETURN QUERY SELECT 1::smallint, v_now + p_ttl_ms;
+        o_status := 1;
+        o_expires_at_ms := v_now + p_ttl_ms;
         RETURN;
     END IF;
     PERFORM 1 FROM syncguard_locks l WHERE l.lock_id = p_lock_id;
-    RETURN QUERY SELECT (CASE WHEN FOUND THEN 2 ELSE 0 END)::smallint, NULL::bigint;
+    o_status := CASE WHEN FOUND THEN 2 ELSE 0 END;
 END;
 $$;
 """
