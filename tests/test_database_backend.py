@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import socket
 import sqlite3
 import threading
@@ -427,3 +428,43 @@ def test_each_operation_is_one_query_message_on_the_wire(pg, tmp_path):
         "syncguard_release",
         "syncguard_release",
     ]
+
+
+@on_postgres
+def test_a_finished_threads_connection_is_closed(pg):
+    backend = pg.backend
+    opened = []
+
+    def work():
+        backend.is_locked("k")
+        opened.append(backend.connection())
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join()
+    wrapper = opened.pop()
+    assert wrapper.connection is not None  # open while the thread object exists
+    del thread
+    gc.collect()
+    assert wrapper.connection is None  # closed once the thread is gone
+
+
+@on_postgres
+def test_close_closes_connections_of_other_threads(pg):
+    backend = pg.backend
+    opened = []
+    done, finish = threading.Event(), threading.Event()
+
+    def work():
+        backend.is_locked("k")
+        opened.append(backend.connection())
+        done.set()
+        finish.wait(10)
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    done.wait(10)
+    backend.close()
+    assert opened[0].connection is None
+    finish.set()
+    thread.join()

@@ -23,6 +23,7 @@ import copy
 import logging
 import math
 import threading
+import weakref
 from collections.abc import Callable, Mapping
 from contextlib import suppress
 from typing import Any, ClassVar, TypeVar, cast
@@ -215,8 +216,9 @@ class DatabaseBackend(BaseLockBackend):
         )
         self.clock: Callable[[], int] = system_clock_ms
         self._local = _PerThread()
-        self._all: list[BaseDatabaseWrapper] = []
-        self._all_mutex = threading.Lock()
+        # Open private connections, weakly: a thread's connection is closed when the
+        # thread object goes away (see connection()), and must not be kept alive here.
+        self._open: weakref.WeakSet[BaseDatabaseWrapper] = weakref.WeakSet()
 
     # ------------------------------------------------------------- connections
     def connection(self) -> BaseDatabaseWrapper:
@@ -226,8 +228,10 @@ class DatabaseBackend(BaseLockBackend):
             source = connections[self.database]
             wrapper = type(source)(self._private_settings(source.settings_dict), self.database)
             self._local.connection = wrapper
-            with self._all_mutex:
-                self._all.append(wrapper)
+            self._open.add(wrapper)
+            # Thread-per-request servers start and end threads all the time: close a
+            # thread's connection once its thread is gone, rather than leak it.
+            weakref.finalize(threading.current_thread(), _close_quietly, wrapper)
         return wrapper
 
     def _private_settings(self, settings_dict: Mapping[str, Any]) -> dict[str, Any]:
@@ -257,11 +261,10 @@ class DatabaseBackend(BaseLockBackend):
         return private
 
     def close(self, **kwargs: Any) -> None:
-        with self._all_mutex:
-            wrappers, self._all = self._all, []
-        for wrapper in wrappers:
-            with suppress(Exception):
-                wrapper.close()
+        """Close every private connection this backend opened, in any thread."""
+        for wrapper in list(self._open):
+            _close_quietly(wrapper)
+        self._open = weakref.WeakSet()
         self._local = _PerThread()
 
     def _run(self, work: Callable[[Any], T]) -> T:
@@ -281,8 +284,7 @@ class DatabaseBackend(BaseLockBackend):
             error = map_database_error(exc, self.database)
             if isinstance(error, ServiceUnavailable | NetworkTimeout | Internal):
                 # Reconnect on the next call: the connection may be broken or stuck.
-                with suppress(Exception):
-                    wrapper.close()
+                _close_quietly(wrapper)
             raise error from exc
 
     def _direct(self, wrapper: BaseDatabaseWrapper) -> bool:
@@ -468,6 +470,15 @@ class DatabaseBackend(BaseLockBackend):
         from asgiref.sync import sync_to_async
 
         return await sync_to_async(fn, thread_sensitive=False)(*args)
+
+
+def _close_quietly(wrapper: BaseDatabaseWrapper) -> None:
+    """Close a private connection from any thread (Django refuses cross-thread close
+    unless sharing is allowed), ignoring errors of an already broken connection."""
+    with suppress(Exception):
+        wrapper.inc_thread_sharing()
+    with suppress(Exception):
+        wrapper.close()
 
 
 def _fetch_row(cursor: Any, sql: str, params: list[Any]) -> Any:
