@@ -5,6 +5,8 @@
 ``syncguard.E002``  An alias's ``BACKEND`` cannot be imported (names the pip extra).
 ``syncguard.E003``  An alias's configuration is invalid (the backend says why).
 ``syncguard.W001``  The memory backend is configured while ``DEBUG`` is False.
+``syncguard.W010``  (deploy) A Redis server runs without AOF: fences can go backwards.
+``syncguard.W011``  (deploy) A backend's server could not be asked about its setup.
 =================  =========================================================
 
 Each backend may add its own messages through ``backend.check()``.
@@ -25,10 +27,33 @@ W001 = (
     "Lock backend {alias!r} is the in-process MemoryBackend while DEBUG is False: "
     "it excludes nothing across processes."
 )
+W010 = (
+    "Lock backend {alias!r}: the Redis server runs without AOF persistence "
+    "(appendonly no). After a restart its fence counters can go back to older values "
+    "and hand out fences already used. Enable appendonly (appendfsync everysec or always)."
+)
+W011 = "Lock backend {alias!r}: could not check the server's setup: {error}"
 
 
 def register() -> None:
     checks.register(check_backends, "syncguard")
+    checks.register(check_backends_deploy, "syncguard", deploy=True)
+
+
+def check_backends_deploy(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
+    """Checks that ask each configured server about its setup."""
+    from .handler import LockHandler
+
+    handler = LockHandler()
+    messages: list[checks.CheckMessage] = []
+    for alias in handler:
+        try:
+            backend = handler[alias]
+        except Exception:  # configuration errors are reported by check_backends
+            continue
+        messages.extend(backend.deploy_check())
+        backend.close()
+    return messages
 
 
 def check_backends(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:

@@ -101,7 +101,10 @@ class LockHandler(_HandlerBase):
                 f"{SETTINGS_NAME}[{alias!r}]['BACKEND'] = {path!r} is not a lock backend "
                 "(a subclass of django_syncguard.backends.base.BaseLockBackend)."
             )
-        backend: BaseLockBackend = backend_cls(alias, params)
+        try:
+            backend: BaseLockBackend = backend_cls(alias, params)
+        except ImproperlyConfigured as exc:  # e.g. the backend's pip extra is missing
+            raise InvalidBackendError(f"{SETTINGS_NAME}[{alias!r}]: {exc}") from exc
         return backend
 
     def all(self, initialized_only: bool = False) -> list[BaseLockBackend]:

@@ -6,68 +6,101 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.harness import HARNESS_DATABASES, HARNESSES, Harness, MemoryHarness
-from tests.servers import PostgresServer, ServerUnavailable
+from tests.harness import (
+    HARNESS_DATABASES,
+    HARNESS_SERVERS,
+    HARNESSES,
+    Harness,
+    MemoryHarness,
+    RedisHarness,
+)
+from tests.servers import PostgresServer, RedisServer, ServerUnavailable
 
 IN_CI = bool(os.environ.get("CI"))
 _servers: dict[str, object] = {}
 
 
-def needs_database(item: pytest.Item) -> str | None:
+def _start_postgres() -> PostgresServer:
+    server = PostgresServer().start()
+    from django.conf import settings
+
+    settings.DATABASES["postgres"]["PORT"] = str(server.port)
+    return server
+
+
+def _start_redis() -> RedisServer:
+    server = RedisServer().start()
+    RedisHarness.url = server.url
+    return server
+
+
+STARTERS = {"postgres": _start_postgres, "redis": _start_redis}
+
+
+def start_server(kind: str) -> PostgresServer | RedisServer | str:
+    """The session's server of that kind (started on first need), or why it cannot run."""
+    if kind not in _servers:
+        try:
+            _servers[kind] = STARTERS[kind]()
+        except ServerUnavailable as exc:
+            _servers[kind] = str(exc)
+    return _servers[kind]  # type: ignore[return-value]
+
+
+def server_needed(item: pytest.Item) -> str | None:
     callspec = getattr(item, "callspec", None)
     harness = callspec.params.get("harness") if callspec else None
-    alias = HARNESS_DATABASES.get(harness) if harness else None
-    if alias is None:
-        marker = item.get_closest_marker("django_db")
-        if marker and "postgres" in (marker.kwargs.get("databases") or ()):
-            alias = "postgres"
-    return alias
-
-
-def start_postgres() -> PostgresServer | str:
-    """The session's PostgreSQL server, or why it could not start."""
-    if "postgres" not in _servers:
-        try:
-            server = PostgresServer().start()
-        except ServerUnavailable as exc:
-            _servers["postgres"] = str(exc)
-        else:
-            from django.conf import settings
-
-            settings.DATABASES["postgres"]["PORT"] = str(server.port)
-            _servers["postgres"] = server
-    return _servers["postgres"]  # type: ignore[return-value]
+    if harness in HARNESS_SERVERS:
+        return HARNESS_SERVERS[harness]
+    if "redis_server" in item.fixturenames:
+        return "redis"
+    marker = item.get_closest_marker("django_db")
+    if "postgres_server" in item.fixturenames or (
+        marker and "postgres" in (marker.kwargs.get("databases") or ())
+    ):
+        return "postgres"
+    return None
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Give database-harness tests their database, starting PostgreSQL if any needs it."""
+    """Start the servers the selected tests need; give harness tests their database."""
     for item in items:
-        alias = needs_database(item)
-        if alias is None:
-            continue
-        if alias == "postgres":
-            server = start_postgres()
+        kind = server_needed(item)
+        if kind is not None:
+            server = start_server(kind)
             if isinstance(server, str):
                 if IN_CI:
-                    raise pytest.UsageError(f"CI is set and PostgreSQL cannot start: {server}")
-                item.add_marker(pytest.mark.skip(reason=f"PostgreSQL unavailable: {server}"))
+                    raise pytest.UsageError(f"CI is set and {kind} cannot start: {server}")
+                item.add_marker(pytest.mark.skip(reason=f"{kind} unavailable: {server}"))
                 continue
-        if item.get_closest_marker("django_db") is None:
+        callspec = getattr(item, "callspec", None)
+        alias = HARNESS_DATABASES.get(callspec.params.get("harness")) if callspec else None
+        if alias and item.get_closest_marker("django_db") is None:
             item.add_marker(pytest.mark.django_db(transaction=True, databases=[alias]))
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    server = _servers.pop("postgres", None)
-    if isinstance(server, PostgresServer):
-        server.destroy()
+    for server in _servers.values():
+        if isinstance(server, PostgresServer | RedisServer):
+            server.destroy()
+    _servers.clear()
+
+
+def _session_server(kind: str):
+    server = start_server(kind)
+    if isinstance(server, str):
+        pytest.fail(f"{kind} unavailable: {server}")
+    return server
 
 
 @pytest.fixture(scope="session")
 def postgres_server() -> PostgresServer:
-    server = start_postgres()
-    if isinstance(server, str):
-        pytest.fail(f"PostgreSQL unavailable: {server}")
-    return server
+    return _session_server("postgres")
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> RedisServer:
+    return _session_server("redis")
 
 
 @pytest.fixture(params=sorted(HARNESSES))

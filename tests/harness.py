@@ -13,6 +13,7 @@ from typing import ClassVar
 from django_syncguard.backends.base import BaseLockBackend
 from django_syncguard.backends.database import DatabaseBackend
 from django_syncguard.backends.memory import MemoryBackend
+from django_syncguard.backends.redis import RedisBackend
 from django_syncguard.keys import normalize_and_validate_key
 from django_syncguard.liveness import FakeClock
 from django_syncguard.results import Capabilities
@@ -101,6 +102,58 @@ class DatabaseHarness(Harness):
         )
 
 
+# Moves time for the Redis backend: ages every lock hash of one prefix.
+_AGE_REDIS = """
+local cursor = '0'
+repeat
+  local page = redis.call('SCAN', cursor, 'MATCH', ARGV[1], 'COUNT', 1000)
+  cursor = page[1]
+  for _, key in ipairs(page[2]) do
+    if redis.call('TYPE', key).ok == 'hash' and redis.call('HEXISTS', key, 'e') == 1 then
+      redis.call('HINCRBY', key, 'e', -tonumber(ARGV[2]))
+      redis.call('HINCRBY', key, 'a', -tonumber(ARGV[2]))
+    end
+  end
+until cursor == '0'
+return 0
+"""
+
+
+class RedisHarness(Harness):
+    """The Redis backend on the session's redis-server, under a prefix of its own."""
+
+    name = "redis"
+    capabilities = Capabilities("redis", supports_fencing=True, time_authority="server")
+    url = ""  # set by tests/conftest.py once the server runs
+
+    def __init__(self, **options: object) -> None:
+        self.prefix = f"sg{uuid.uuid4().hex[:12]}"
+        self.backend = RedisBackend(
+            f"contract-{self.prefix}",
+            {"LOCATION": self.url, "KEY_PREFIX": self.prefix, "OPTIONS": dict(options)},
+        )
+
+    @property
+    def redis(self) -> RedisBackend:
+        assert isinstance(self.backend, RedisBackend)
+        return self.backend
+
+    def now_ms(self) -> int:
+        return self.redis.now_ms()
+
+    def advance(self, ms: int) -> None:
+        self.redis.client.eval(_AGE_REDIS, 0, f"{self.prefix}:*", ms)
+
+    def set_fence(self, key: str, value: int) -> None:
+        self.redis.client.hset(self.redis.lock_key(normalize_and_validate_key(key)), "f", value)
+
+    def close(self) -> None:
+        keys = list(self.redis.client.scan_iter(match=f"{self.prefix}[:#]*", count=1000))
+        if keys:
+            self.redis.client.delete(*keys)
+        self.backend.close()
+
+
 class SqliteHarness(DatabaseHarness):
     name = "sqlite"
     capabilities = Capabilities("sqlite", supports_fencing=True, time_authority="client")
@@ -117,7 +170,11 @@ HARNESSES: dict[str, type[Harness]] = {
     "memory": MemoryHarness,
     "sqlite": SqliteHarness,
     "postgres": PostgresHarness,
+    "redis": RedisHarness,
 }
 
 #: Which DATABASES alias each database-backed harness needs.
 HARNESS_DATABASES = {"sqlite": "default", "postgres": "postgres"}
+
+#: Which test server each harness needs (started once per session by conftest.py).
+HARNESS_SERVERS = {"postgres": "postgres", "redis": "redis"}

@@ -152,3 +152,81 @@ class PostgresServer:
             "HOST": "127.0.0.1",
             "PORT": str(self.port),
         }
+
+
+@dataclass
+class RedisServer:
+    """A throw-away ``redis-server`` (Debian's package) on a free loopback port."""
+
+    port: int = 0
+    aof: bool = False
+    root: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="syncguard-redis-")))
+    process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> RedisServer:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise ServerUnavailable("redis-server is not installed (Debian package redis-server)")
+        for _ in range(3):
+            self.port = self.port or free_port()
+            argv = [
+                binary,
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--dir",
+                str(self.root),
+                "--save",
+                "",
+                "--daemonize",
+                "no",
+                "--protected-mode",
+                "no",
+                "--logfile",
+                str(self.root / "server.log"),
+            ]
+            if self.aof:
+                argv += ["--appendonly", "yes", "--appendfsync", "always"]
+            self.process = subprocess.Popen(
+                argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+            )
+            try:
+                wait_for_port(self.port, 20)
+                break
+            except ServerUnavailable:
+                self.stop()
+                self.port = 0
+        else:
+            raise ServerUnavailable(f"redis-server did not start: {self.log_tail()}")
+        atexit.register(self.stop)
+        return self
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()  # SIGTERM: Redis flushes the AOF and exits
+            try:
+                self.process.wait(20)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(5)
+        self.process = None
+
+    def restart(self) -> None:
+        """Stop and start again on the same port and data directory."""
+        self.stop()
+        self.start()
+
+    def destroy(self) -> None:
+        self.stop()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    def log_tail(self) -> str:
+        try:
+            return (self.root / "server.log").read_text()[-2000:]
+        except OSError:
+            return "(no log)"

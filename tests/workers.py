@@ -68,3 +68,31 @@ def first_acquisitions(databases, database, keys, seed, barrier, results) -> Non
             got.append((key, result.fence))
             backend.release(result.lock_id)
     results.put(got)
+
+
+def redis_hammer(url, prefix, key, iterations, barrier, results) -> None:
+    """Take ``key`` on Redis ``iterations`` times; inside, GET + SET a shared counter."""
+    from django_syncguard import current_lock, lock
+    from django_syncguard.backends.redis import RedisBackend
+
+    backend = RedisBackend("worker", {"LOCATION": url, "KEY_PREFIX": prefix})
+    shared = f"{prefix}-shared-counter"
+    records: list[tuple[int, str]] = []
+
+    def critical_section() -> None:
+        seen = int(backend.client.get(shared) or 0)  # read ...
+        backend.client.set(shared, seen + 1)  # ... modify, write: no atomic INCR
+        records.append((seen, current_lock().fence))
+
+    barrier.wait()
+    for _ in range(iterations):
+        lock(
+            critical_section,
+            key=key,
+            using=backend,
+            ttl_ms=60_000,
+            retry_delay_ms=1,
+            max_retries=1_000_000,
+            timeout_ms=120_000,
+        )
+    results.put(records)

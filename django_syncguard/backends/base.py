@@ -219,7 +219,11 @@ class BaseLockBackend:
 
     # ------------------------------------------------------------ housekeeping
     def check(self, **kwargs: Any) -> list[Any]:
-        """System-check messages about this alias; called by the app's check."""
+        """System-check messages about this alias's configuration (no I/O)."""
+        return []
+
+    def deploy_check(self) -> list[Any]:
+        """Check messages that need the server (``manage.py check --deploy``)."""
         return []
 
     def close(self, **kwargs: Any) -> None:

@@ -1,0 +1,474 @@
+"""The Redis backend: one Lua script per operation, Redis server time, durable fences.
+
+``LOCATION`` is a redis URL (``redis://``, ``rediss://`` for TLS, ``unix://``);
+``KEY_PREFIX`` (default ``"syncguard"``, must not be empty) namespaces every key.
+``OPTIONS``: the common ones, plus ``MAX_CONNECTIONS`` (pool size, default 50) and
+``CLIENT_KWARGS`` (passed to ``redis.Redis.from_url``: ``username``, ``password``,
+``ssl_ca_certs``...). Needs ``pip install "django-syncguard[redis]"``.
+
+Key layout (``P`` is the prefix without trailing colons)::
+
+    P:<key>          hash  f = last fence (never deleted, no TTL)
+                           i = lock id, e = expires at (ms), a = acquired at (ms),
+                           k = user key (only when <key> had to be hashed)
+    P#id:<lock id>   string, the full name of the hash above, expiring with the lock
+
+Lock keys all start with ``P:`` and index keys with ``P#``, so no user key can land
+on an index entry; the fence counter lives inside the key's own hash, so no user key
+can land on another key's counter either. See ``specs/backends/redis.md``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import weakref
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from django.core.exceptions import ImproperlyConfigured
+
+from ..cancellation import CancelToken
+from ..constants import BACKEND_LIMITS, CLEANUP_GUARD_MS, RESERVE_BYTES, TIME_TOLERANCE_MS
+from ..errors import (
+    AuthFailed,
+    Internal,
+    InvalidArgument,
+    LockError,
+    NetworkTimeout,
+    ServiceUnavailable,
+)
+from ..fencing import FENCE_MAX, fence_overflow_error, format_fence
+from ..keys import generate_lock_id, make_storage_key
+from ..results import AcquireResult, ExtendResult, ReleaseResult
+from .base import BaseLockBackend, LockRecord
+
+if TYPE_CHECKING:
+    import redis
+
+LIMIT_BYTES = BACKEND_LIMITS["REDIS"]
+RESERVE = RESERVE_BYTES["REDIS"]
+DEFAULT_MAX_CONNECTIONS = 50
+
+# Every script reads the clock of the Redis server: TIME -> whole Unix milliseconds.
+_NOW = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+"""
+
+#: KEYS[1] lock hash, KEYS[2] index key of the new lock id.
+#: ARGV: lock id, ttl ms, tolerance ms, max fence, user key ("" when not hashed).
+#: Returns {0} contention, {2} fence overflow (nothing written), {1, fence, expires}.
+ACQUIRE = (
+    _NOW
+    + """
+local cur = redis.call('HMGET', KEYS[1], 'i', 'e', 'f')
+if cur[1] and tonumber(cur[2]) > now - tonumber(ARGV[3]) then
+  return {0}
+end
+local fence = (tonumber(cur[3]) or 0) + 1
+if fence > tonumber(ARGV[4]) then
+  return {2}
+end
+local expires = now + tonumber(ARGV[2])
+if ARGV[5] ~= '' then
+  redis.call('HSET', KEYS[1], 'f', fence, 'i', ARGV[1], 'e', expires, 'a', now, 'k', ARGV[5])
+else
+  redis.call('HSET', KEYS[1], 'f', fence, 'i', ARGV[1], 'e', expires, 'a', now)
+end
+redis.call('SET', KEYS[2], KEYS[1], 'PX', tonumber(ARGV[2]) + tonumber(ARGV[3]))
+return {1, fence, expires}
+"""
+)
+
+# Release and extend resolve the index to the lock hash, require the hash to carry
+# this lock id (ADR-003) and to be live, then mutate: all inside one script.
+_RESOLVE = (
+    _NOW
+    + """
+local lock = redis.call('GET', KEYS[1])
+if not lock then
+  return {0}
+end
+local cur = redis.call('HMGET', lock, 'i', 'e')
+if cur[1] ~= ARGV[1] then
+  return {0}
+end
+if tonumber(cur[2]) <= now - tonumber(ARGV[2]) then
+  return {2}
+end
+"""
+)
+
+#: KEYS[1] index key. ARGV: lock id, tolerance ms.
+#: Returns {1} released, {2} expired, {0} not found. The fence field stays.
+RELEASE = (
+    _RESOLVE
+    + """
+redis.call('HDEL', lock, 'i', 'e', 'a', 'k')
+redis.call('DEL', KEYS[1])
+return {1}
+"""
+)
+
+#: KEYS[1] index key. ARGV: lock id, tolerance ms, ttl ms.
+#: Returns {1, expires}, {2} expired, {0} not found.
+EXTEND = (
+    _RESOLVE
+    + """
+local expires = now + tonumber(ARGV[3])
+redis.call('HSET', lock, 'e', expires)
+redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[3]) + tonumber(ARGV[2]))
+return {1, expires}
+"""
+)
+
+#: KEYS[1] lock hash. ARGV: tolerance ms, cleanup guard ms (0: never write).
+#: Returns 1 when live. With a guard, removes the lock fields (never the fence) of a
+#: lock expired longer ago than the guard, after deciding the answer.
+IS_LOCKED = (
+    _NOW
+    + """
+local cur = redis.call('HMGET', KEYS[1], 'i', 'e')
+if not cur[1] then
+  return 0
+end
+local expires = tonumber(cur[2])
+if expires > now - tonumber(ARGV[1]) then
+  return 1
+end
+local guard = tonumber(ARGV[2])
+if guard > 0 and now - expires > guard then
+  redis.call('HDEL', KEYS[1], 'i', 'e', 'a', 'k')
+end
+return 0
+"""
+)
+
+#: KEYS[1] lock hash. ARGV: tolerance ms. Returns {} or {i, e, a, f, k}.
+LOOKUP_BY_KEY = (
+    _NOW
+    + """
+local cur = redis.call('HMGET', KEYS[1], 'i', 'e', 'a', 'f', 'k')
+if not cur[1] or tonumber(cur[2]) <= now - tonumber(ARGV[1]) then
+  return {}
+end
+return {cur[1], cur[2], cur[3], cur[4], cur[5] or ''}
+"""
+)
+
+#: KEYS[1] index key. ARGV: lock id, tolerance ms. Returns {} or {hash, i, e, a, f, k}.
+LOOKUP_BY_ID = (
+    _NOW
+    + """
+local lock = redis.call('GET', KEYS[1])
+if not lock then
+  return {}
+end
+local cur = redis.call('HMGET', lock, 'i', 'e', 'a', 'f', 'k')
+if cur[1] ~= ARGV[1] or tonumber(cur[2]) <= now - tonumber(ARGV[2]) then
+  return {}
+end
+return {lock, cur[1], cur[2], cur[3], cur[4], cur[5] or ''}
+"""
+)
+
+SCRIPTS = {
+    "acquire": ACQUIRE,
+    "release": RELEASE,
+    "extend": EXTEND,
+    "is_locked": IS_LOCKED,
+    "lookup_by_key": LOOKUP_BY_KEY,
+    "lookup_by_id": LOOKUP_BY_ID,
+}
+
+# Server replies that mean "not now" rather than "wrong".
+_UNAVAILABLE_REPLIES = (
+    "BUSY",
+    "LOADING",
+    "MASTERDOWN",
+    "TRYAGAIN",
+    "CLUSTERDOWN",
+    "OOM",
+    "READONLY",
+    "NOREPLICAS",
+    "MISCONF",
+)
+_AUTH_REPLIES = ("NOAUTH", "WRONGPASS", "NOPERM")
+
+
+def _redis() -> Any:
+    try:
+        import redis
+    except ImportError as exc:
+        raise ImproperlyConfigured(
+            'The Redis lock backend needs redis-py: pip install "django-syncguard[redis]".'
+        ) from exc
+    return redis
+
+
+def map_redis_error(exc: BaseException, alias: str) -> LockError:
+    """The ``LockError`` for a redis-py exception."""
+    redis = _redis()
+    errors = redis.exceptions
+    message = f"Redis ({alias!r}): {exc}"
+    text = str(exc).upper()
+    error_cls: type[LockError]
+    if isinstance(exc, errors.AuthenticationError | errors.AuthorizationError) or (
+        isinstance(exc, errors.ResponseError) and text.startswith(_AUTH_REPLIES)
+    ):
+        error_cls = AuthFailed
+    elif isinstance(exc, errors.TimeoutError):
+        error_cls = NetworkTimeout
+    elif isinstance(exc, errors.ConnectionError) or (
+        isinstance(exc, errors.ResponseError) and text.startswith(_UNAVAILABLE_REPLIES)
+    ):
+        error_cls = ServiceUnavailable
+    else:
+        error_cls = Internal
+    return error_cls(message, context={"cause": exc})
+
+
+class RedisBackend(BaseLockBackend):
+    """Locks in Redis; see the module docstring."""
+
+    backend_name = "redis"
+    time_authority = "server"
+    known_options: ClassVar[frozenset[str]] = BaseLockBackend.known_options | {
+        "MAX_CONNECTIONS",
+        "CLIENT_KWARGS",
+    }
+
+    def __init__(self, alias: str = "default", params: Mapping[str, Any] | None = None) -> None:
+        super().__init__(alias, params)
+        if not self.location:
+            raise InvalidArgument(f"Lock backend {alias!r}: LOCATION must be a redis:// URL.")
+        self.prefix = self.key_prefix.rstrip(":")
+        if not self.prefix:
+            raise InvalidArgument(
+                "KEY_PREFIX must not be empty for Redis: it keeps lock keys apart from "
+                "the lock-id index."
+            )
+        max_connections = self.options.get("MAX_CONNECTIONS", DEFAULT_MAX_CONNECTIONS)
+        if (
+            isinstance(max_connections, bool)
+            or not isinstance(max_connections, int)
+            or (max_connections < 1)
+        ):
+            raise InvalidArgument("OPTIONS['MAX_CONNECTIONS'] must be a positive int.")
+        client_kwargs = self.options.get("CLIENT_KWARGS", {})
+        if not isinstance(client_kwargs, Mapping):
+            raise InvalidArgument("OPTIONS['CLIENT_KWARGS'] must be a dict.")
+        redis_py = _redis()
+        self._client_kwargs: dict[str, Any] = {
+            "socket_connect_timeout": self.connect_timeout_ms / 1000,
+            "socket_timeout": self.operation_timeout_ms / 1000,
+            # One attempt per call (ADR-009): a silently retried acquire whose reply
+            # was lost would find its own lock and report contention.
+            "retry": redis_py.retry.Retry(redis_py.backoff.NoBackoff(), 0),
+            "retry_on_error": [],
+            "max_connections": max_connections,
+            **client_kwargs,
+        }
+        try:
+            self.client: redis.Redis = redis_py.Redis.from_url(self.location, **self._client_kwargs)
+        except ValueError as exc:
+            raise InvalidArgument(f"LOCATION {self.location!r} is not a redis URL: {exc}") from exc
+        self._scripts = {name: self.client.register_script(lua) for name, lua in SCRIPTS.items()}
+        self._async: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Any] = (
+            weakref.WeakKeyDictionary()
+        )
+
+    # ------------------------------------------------------------------ keys
+    def lock_key(self, key: str) -> str:
+        """The hash holding ``key``'s lock fields and fence counter."""
+        return make_storage_key(self.prefix, key, LIMIT_BYTES, RESERVE)
+
+    def index_key(self, lock_id: str) -> str:
+        return f"{self.prefix}#id:{lock_id}"
+
+    def _user_key_arg(self, key: str, lock_key: str) -> str:
+        """The user key, stored only when the lock key had to be hashed."""
+        return "" if lock_key == f"{self.prefix}:{key}" else key
+
+    def _user_key(self, lock_key: bytes | str, stored: bytes) -> str:
+        if stored:
+            return stored.decode()
+        name = lock_key.decode() if isinstance(lock_key, bytes) else lock_key
+        return name[len(self.prefix) + 1 :]
+
+    # ------------------------------------------------------------- dispatch
+    def _call(self, name: str, keys: list[str], args: list[Any]) -> Any:
+        try:
+            return self._scripts[name](keys=keys, args=args)
+        except self._redis_error() as exc:
+            raise map_redis_error(exc, self.alias) from exc
+
+    async def _acall(self, name: str, keys: list[str], args: list[Any]) -> Any:
+        scripts = self._async_scripts()
+        try:
+            return await scripts[name](keys=keys, args=args)
+        except self._redis_error() as exc:
+            raise map_redis_error(exc, self.alias) from exc
+
+    @staticmethod
+    def _redis_error() -> type[Exception]:
+        error: type[Exception] = _redis().exceptions.RedisError
+        return error
+
+    def _async_scripts(self) -> dict[str, Any]:
+        """Scripts bound to an asyncio client of the running loop (clients are per loop)."""
+        loop = asyncio.get_running_loop()
+        scripts = self._async.get(loop)
+        if scripts is None:
+            client = _redis().asyncio.Redis.from_url(self.location, **self._client_kwargs)
+            scripts = {name: client.register_script(lua) for name, lua in SCRIPTS.items()}
+            scripts["_client"] = client
+            self._async[loop] = scripts
+        return scripts
+
+    def close(self, **kwargs: Any) -> None:
+        self.client.close()
+        self._async = weakref.WeakKeyDictionary()
+
+    # ----------------------------------------------------------- operations
+    def _acquire_args(self, key: str, ttl_ms: int) -> tuple[list[str], list[Any], str]:
+        lock_key = self.lock_key(key)
+        lock_id = generate_lock_id()
+        keys = [lock_key, self.index_key(lock_id)]
+        args = [lock_id, ttl_ms, TIME_TOLERANCE_MS, FENCE_MAX, self._user_key_arg(key, lock_key)]
+        return keys, args, lock_id
+
+    def _acquired(self, reply: list[Any], key: str, lock_id: str) -> AcquireResult:
+        status = int(reply[0])
+        if status == 2:
+            raise fence_overflow_error(key)
+        if status == 0:
+            return AcquireResult.locked()
+        return AcquireResult(
+            ok=True, lock_id=lock_id, expires_at_ms=int(reply[2]), fence=format_fence(int(reply[1]))
+        )
+
+    def _acquire(self, key: str, ttl_ms: int, cancel: CancelToken | None) -> AcquireResult:
+        keys, args, lock_id = self._acquire_args(key, ttl_ms)
+        return self._acquired(self._call("acquire", keys, args), key, lock_id)
+
+    async def _aacquire(self, key: str, ttl_ms: int, cancel: CancelToken | None) -> AcquireResult:
+        keys, args, lock_id = self._acquire_args(key, ttl_ms)
+        return self._acquired(await self._acall("acquire", keys, args), key, lock_id)
+
+    @staticmethod
+    def _released(reply: list[Any]) -> ReleaseResult:
+        status = int(reply[0])
+        if status == 1:
+            return ReleaseResult(ok=True)
+        return ReleaseResult(ok=False, reason="expired" if status == 2 else "not-found")
+
+    def _release(self, lock_id: str, cancel: CancelToken | None) -> ReleaseResult:
+        reply = self._call("release", [self.index_key(lock_id)], [lock_id, TIME_TOLERANCE_MS])
+        return self._released(reply)
+
+    async def _arelease(self, lock_id: str, cancel: CancelToken | None) -> ReleaseResult:
+        keys, args = [self.index_key(lock_id)], [lock_id, TIME_TOLERANCE_MS]
+        return self._released(await self._acall("release", keys, args))
+
+    @staticmethod
+    def _extended(reply: list[Any]) -> ExtendResult:
+        status = int(reply[0])
+        if status == 1:
+            return ExtendResult(ok=True, expires_at_ms=int(reply[1]))
+        return ExtendResult(ok=False, reason="expired" if status == 2 else "not-found")
+
+    def _extend(self, lock_id: str, ttl_ms: int, cancel: CancelToken | None) -> ExtendResult:
+        args = [lock_id, TIME_TOLERANCE_MS, ttl_ms]
+        return self._extended(self._call("extend", [self.index_key(lock_id)], args))
+
+    async def _aextend(self, lock_id: str, ttl_ms: int, cancel: CancelToken | None) -> ExtendResult:
+        args = [lock_id, TIME_TOLERANCE_MS, ttl_ms]
+        return self._extended(await self._acall("extend", [self.index_key(lock_id)], args))
+
+    def _is_locked_args(self, key: str) -> tuple[list[str], list[Any]]:
+        guard = CLEANUP_GUARD_MS["server"] if self.cleanup_in_is_locked else 0
+        return [self.lock_key(key)], [TIME_TOLERANCE_MS, guard]
+
+    def _is_locked(self, key: str, cancel: CancelToken | None) -> bool:
+        return bool(self._call("is_locked", *self._is_locked_args(key)))
+
+    async def _ais_locked(self, key: str, cancel: CancelToken | None) -> bool:
+        return bool(await self._acall("is_locked", *self._is_locked_args(key)))
+
+    def _record_by_key(self, reply: list[Any], lock_key: str) -> LockRecord | None:
+        if not reply:
+            return None
+        lock_id, expires, acquired, fence, user_key = reply
+        return self._record(lock_key, lock_id, expires, acquired, fence, user_key)
+
+    def _record_by_id(self, reply: list[Any]) -> LockRecord | None:
+        if not reply:
+            return None
+        return self._record(*reply)
+
+    def _record(
+        self,
+        lock_key: Any,
+        lock_id: bytes,
+        expires: bytes,
+        acquired: bytes,
+        fence: bytes,
+        user_key: bytes,
+    ) -> LockRecord:
+        return LockRecord(
+            key=self._user_key(lock_key, user_key),
+            lock_id=lock_id.decode(),
+            expires_at_ms=int(expires),
+            acquired_at_ms=int(acquired),
+            fence=format_fence(int(fence)),
+        )
+
+    def _lookup_by_key(self, key: str, cancel: CancelToken | None) -> LockRecord | None:
+        lock_key = self.lock_key(key)
+        reply = self._call("lookup_by_key", [lock_key], [TIME_TOLERANCE_MS])
+        return self._record_by_key(reply, lock_key)
+
+    async def _alookup_by_key(self, key: str, cancel: CancelToken | None) -> LockRecord | None:
+        lock_key = self.lock_key(key)
+        reply = await self._acall("lookup_by_key", [lock_key], [TIME_TOLERANCE_MS])
+        return self._record_by_key(reply, lock_key)
+
+    def _lookup_by_id(self, lock_id: str, cancel: CancelToken | None) -> LockRecord | None:
+        args = [lock_id, TIME_TOLERANCE_MS]
+        return self._record_by_id(self._call("lookup_by_id", [self.index_key(lock_id)], args))
+
+    async def _alookup_by_id(self, lock_id: str, cancel: CancelToken | None) -> LockRecord | None:
+        args = [lock_id, TIME_TOLERANCE_MS]
+        reply = await self._acall("lookup_by_id", [self.index_key(lock_id)], args)
+        return self._record_by_id(reply)
+
+    # ---------------------------------------------------------------- checks
+    def now_ms(self) -> int:
+        """The Redis server's clock, in Unix ms."""
+        try:
+            seconds, micros = self.client.time()
+        except self._redis_error() as exc:
+            raise map_redis_error(exc, self.alias) from exc
+        return int(seconds) * 1000 + int(micros) // 1000
+
+    def persistence(self) -> dict[str, Any]:
+        """``INFO persistence`` of the server (for the deploy check)."""
+        try:
+            info: dict[str, Any] = self.client.info("persistence")
+        except self._redis_error() as exc:
+            raise map_redis_error(exc, self.alias) from exc
+        return info
+
+    def deploy_check(self) -> list[Any]:
+        from django.core import checks
+
+        from ..checks import W010, W011
+
+        try:
+            info = self.persistence()
+        except LockError as exc:
+            return [checks.Warning(W011.format(alias=self.alias, error=exc), id="syncguard.W011")]
+        if not int(info.get("aof_enabled", 0)):
+            return [checks.Warning(W010.format(alias=self.alias), id="syncguard.W010")]
+        return []
