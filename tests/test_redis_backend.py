@@ -312,3 +312,18 @@ def test_missing_extra_names_the_pip_command(monkeypatch):
 
 def test_release_of_unknown_lock_id_sends_one_command(rh):
     assert rh.redis.release(generate_lock_id()).reason == "not-found"
+
+
+def test_check_deploy_warns_about_redis_without_aof(settings, redis_server):
+    from django.core import checks
+
+    settings.SYNCGUARD_BACKENDS = {
+        "default": {"BACKEND": "django_syncguard.backends.memory.MemoryBackend"},
+        "redis": {
+            "BACKEND": "django_syncguard.backends.redis.RedisBackend",
+            "LOCATION": redis_server.url,
+        },
+    }
+    messages = checks.run_checks(tags=["syncguard"], include_deployment_checks=True)
+    assert [m.id for m in messages if m.id.startswith("syncguard.W01")] == ["syncguard.W010"]
+    assert "'redis'" in next(m.msg for m in messages if m.id == "syncguard.W010")

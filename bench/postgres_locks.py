@@ -1,6 +1,6 @@
 """Acquire+release cycles on PostgreSQL: our backend next to its floor and its peers.
 
-    .venv/bin/python bench/postgres.py [--seconds 2] [--memory-locks 20000]
+    .venv/bin/python bench/postgres_locks.py [--seconds 2] [--memory-locks 20000]
 
 Starts a throw-away PostgreSQL 15 with its default (durable) settings on a free
 loopback port, and measures, side by side against that one server:
