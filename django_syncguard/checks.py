@@ -7,6 +7,7 @@
 ``syncguard.W001``  The memory backend is configured while ``DEBUG`` is False.
 ``syncguard.W010``  (deploy) A Redis server runs without AOF: fences can go backwards.
 ``syncguard.W011``  (deploy) A backend's server could not be asked about its setup.
+``syncguard.I020``  (deploy) Firestore: keep the lockId index; an optional TTL policy.
 =================  =========================================================
 
 Each backend may add its own messages through ``backend.check()``.
@@ -33,6 +34,13 @@ W010 = (
     "and hand out fences already used. Enable appendonly (appendfsync everysec or always)."
 )
 W011 = "Lock backend {alias!r}: could not check the server's setup: {error}"
+I020 = (
+    "Lock backend {alias!r} (Firestore): release, extend and lookup by lock id query "
+    "collection {collection!r} on the field lockId; keep its single-field index (Firestore "
+    "creates it unless an exemption removes it). A TTL policy on the field purgeAt may "
+    "delete long-expired lock documents; it only saves storage, liveness is always "
+    "checked on every operation, and fence counters live in another collection."
+)
 
 
 def register() -> None:

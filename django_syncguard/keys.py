@@ -85,12 +85,20 @@ def make_storage_key(prefix: str, key: str, limit_bytes: int, reserve_bytes: int
     full = head + key
     if len(full.encode("utf-8")) + reserve_bytes <= limit_bytes:
         return full
-    hashed = head + _b64url(hashlib.sha256(full.encode("utf-8")).digest()[:16])
+    hashed = hash_storage_key(prefix, key)
     if len(hashed.encode("utf-8")) + reserve_bytes > limit_bytes:
         raise InvalidArgument(
             f"Key prefix is too long: even the hashed storage key exceeds {limit_bytes} bytes."
         )
     return hashed
+
+
+def hash_storage_key(prefix: str, key: str) -> str:
+    """The hashed form of a storage key: ``prefix:`` (if any) + base64url of the first
+    16 bytes of SHA-256 over the whole prefixed key (22 characters)."""
+    prefix = prefix.rstrip(":")
+    head = f"{prefix}:" if prefix else ""
+    return head + _b64url(hashlib.sha256((head + key).encode("utf-8")).digest()[:16])
 
 
 def make_fence_key(prefix: str, key: str, limit_bytes: int, reserve_bytes: int) -> str:

@@ -14,7 +14,7 @@ from tests.harness import (
     MemoryHarness,
     RedisHarness,
 )
-from tests.servers import PostgresServer, RedisServer, ServerUnavailable
+from tests.servers import FirestoreEmulator, PostgresServer, RedisServer, ServerUnavailable
 
 IN_CI = bool(os.environ.get("CI"))
 _servers: dict[str, object] = {}
@@ -34,7 +34,13 @@ def _start_redis() -> RedisServer:
     return server
 
 
-STARTERS = {"postgres": _start_postgres, "redis": _start_redis}
+def _start_firestore() -> FirestoreEmulator:
+    server = FirestoreEmulator().start()
+    os.environ["FIRESTORE_EMULATOR_HOST"] = server.host
+    return server
+
+
+STARTERS = {"postgres": _start_postgres, "redis": _start_redis, "firestore": _start_firestore}
 
 
 def start_server(kind: str) -> PostgresServer | RedisServer | str:
@@ -54,6 +60,8 @@ def server_needed(item: pytest.Item) -> str | None:
         return HARNESS_SERVERS[harness]
     if "redis_server" in item.fixturenames:
         return "redis"
+    if "firestore_emulator" in item.fixturenames:
+        return "firestore"
     marker = item.get_closest_marker("django_db")
     if "postgres_server" in item.fixturenames or (
         marker and "postgres" in (marker.kwargs.get("databases") or ())
@@ -81,7 +89,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 def pytest_unconfigure(config: pytest.Config) -> None:
     for server in _servers.values():
-        if isinstance(server, PostgresServer | RedisServer):
+        if isinstance(server, PostgresServer | RedisServer | FirestoreEmulator):
             server.destroy()
     _servers.clear()
 
@@ -101,6 +109,11 @@ def postgres_server() -> PostgresServer:
 @pytest.fixture(scope="session")
 def redis_server() -> RedisServer:
     return _session_server("redis")
+
+
+@pytest.fixture(scope="session")
+def firestore_emulator() -> FirestoreEmulator:
+    return _session_server("firestore")
 
 
 @pytest.fixture(params=sorted(HARNESSES))

@@ -12,6 +12,7 @@ from typing import ClassVar
 
 from django_syncguard.backends.base import BaseLockBackend
 from django_syncguard.backends.database import DatabaseBackend
+from django_syncguard.backends.firestore import FirestoreBackend
 from django_syncguard.backends.memory import MemoryBackend
 from django_syncguard.backends.redis import RedisBackend
 from django_syncguard.keys import normalize_and_validate_key
@@ -154,6 +155,47 @@ class RedisHarness(Harness):
         self.backend.close()
 
 
+class FirestoreHarness(Harness):
+    """The Firestore backend on the emulator, in collections of its own."""
+
+    name = "firestore"
+    capabilities = Capabilities("firestore", supports_fencing=True, time_authority="server")
+    project = "syncguard-test"
+
+    def __init__(self, **options: object) -> None:
+        suffix = uuid.uuid4().hex[:12]
+        self.backend = FirestoreBackend(
+            f"contract-{suffix}",
+            {
+                "OPTIONS": {
+                    "PROJECT": self.project,
+                    "COLLECTION": f"locks_{suffix}",
+                    "FENCE_COLLECTION": f"fences_{suffix}",
+                    **options,
+                }
+            },
+        )
+
+    @property
+    def firestore(self) -> FirestoreBackend:
+        assert isinstance(self.backend, FirestoreBackend)
+        return self.backend
+
+    def now_ms(self) -> int:
+        return self.firestore.now_ms()
+
+    def advance(self, ms: int) -> None:
+        for snap in self.firestore.client.collection(self.firestore.collection).stream():
+            data = snap.to_dict()
+            snap.reference.update(
+                {"expiresAtMs": data["expiresAtMs"] - ms, "acquiredAtMs": data["acquiredAtMs"] - ms}
+            )
+
+    def set_fence(self, key: str, value: int) -> None:
+        _, fence_ref = self.firestore._refs(normalize_and_validate_key(key))
+        fence_ref.set({"fence": f"{value:015d}"})
+
+
 class SqliteHarness(DatabaseHarness):
     name = "sqlite"
     capabilities = Capabilities("sqlite", supports_fencing=True, time_authority="client")
@@ -171,10 +213,11 @@ HARNESSES: dict[str, type[Harness]] = {
     "sqlite": SqliteHarness,
     "postgres": PostgresHarness,
     "redis": RedisHarness,
+    "firestore": FirestoreHarness,
 }
 
 #: Which DATABASES alias each database-backed harness needs.
 HARNESS_DATABASES = {"sqlite": "default", "postgres": "postgres"}
 
 #: Which test server each harness needs (started once per session by conftest.py).
-HARNESS_SERVERS = {"postgres": "postgres", "redis": "redis"}
+HARNESS_SERVERS = {"postgres": "postgres", "redis": "redis", "firestore": "firestore"}

@@ -230,3 +230,65 @@ class RedisServer:
             return (self.root / "server.log").read_text()[-2000:]
         except OSError:
             return "(no log)"
+
+
+@dataclass
+class FirestoreEmulator:
+    """``gcloud emulators firestore start`` on a free loopback port (Java 17)."""
+
+    port: int = 0
+    root: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="syncguard-fs-")))
+    process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def host(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self, timeout_s: float = 120) -> FirestoreEmulator:
+        gcloud = shutil.which("gcloud")
+        if gcloud is None:
+            raise ServerUnavailable("gcloud is not installed (Firestore emulator)")
+        self.port = free_port()
+        log = (self.root / "emulator.log").open("wb")
+        self.process = subprocess.Popen(
+            [gcloud, "emulators", "firestore", "start", f"--host-port={self.host}", "--quiet"],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, "CLOUDSDK_CORE_DISABLE_PROMPTS": "1"},
+        )
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise ServerUnavailable(f"Firestore emulator exited: {self.log_tail()}")
+            if "Dev App Server is now running" in self.log_tail():
+                wait_for_port(self.port, 10)
+                atexit.register(self.stop)
+                return self
+            time.sleep(0.2)
+        self.stop()
+        raise ServerUnavailable(f"Firestore emulator not ready in {timeout_s} s: {self.log_tail()}")
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            import signal
+
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(20)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(5)
+        self.process = None
+
+    def destroy(self) -> None:
+        self.stop()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    def log_tail(self) -> str:
+        try:
+            return (self.root / "emulator.log").read_text(errors="replace")[-2000:]
+        except OSError:
+            return "(no log)"
