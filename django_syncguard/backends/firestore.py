@@ -221,10 +221,12 @@ class FirestoreBackend(BaseLockBackend):
         firestore = _firestore()
         from google.api_core.exceptions import Aborted
 
+        def run() -> T:
+            result: T = firestore.transactional(work)(self.client.transaction(max_attempts=1))
+            return result
+
         try:
-            return self._call(
-                lambda: firestore.transactional(work)(self.client.transaction(max_attempts=1))
-            )
+            return self._call(run)
         except ServiceUnavailable as exc:
             cause = exc.context.get("cause")
             if isinstance(cause, Aborted) or isinstance(getattr(cause, "__cause__", None), Aborted):
@@ -465,6 +467,6 @@ def _bound_every_call(client: Any, timeout_s: float) -> None:
 
     transport = client._firestore_api._transport
     for method in list(transport._wrapped_methods):
-        transport._wrapped_methods[method] = gapic_v1.method.wrap_method(
+        transport._wrapped_methods[method] = gapic_v1.method.wrap_method(  # type: ignore[no-untyped-call]
             method, default_retry=None, default_timeout=timeout_s
         )
