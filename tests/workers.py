@@ -96,3 +96,36 @@ def redis_hammer(url, prefix, key, iterations, barrier, results) -> None:
             timeout_ms=120_000,
         )
     results.put(records)
+
+
+def firestore_hammer(emulator_host, options, key, iterations, barrier, results) -> None:
+    """Take ``key`` on Firestore; inside, get + set a shared counter document."""
+    os.environ["FIRESTORE_EMULATOR_HOST"] = emulator_host
+    from django_syncguard import current_lock, lock
+    from django_syncguard.backends.firestore import FirestoreBackend
+
+    backend = FirestoreBackend("worker", {"OPTIONS": options})
+    counter = backend.client.collection(f"{options['COLLECTION']}_shared").document("counter")
+    records: list[tuple[int, str]] = []
+
+    def critical_section() -> None:
+        seen = (counter.get().to_dict() or {}).get("value", 0)  # read ...
+        counter.set({"value": seen + 1})  # ... modify, write: no transaction
+        records.append((seen, current_lock().fence))
+
+    barrier.wait()
+    try:
+        for _ in range(iterations):
+            lock(
+                critical_section,
+                key=key,
+                using=backend,
+                ttl_ms=60_000,
+                retry_delay_ms=5,
+                max_retries=1_000_000,
+                timeout_ms=300_000,
+            )
+    except Exception as exc:  # report it: a dead child would leave the parent waiting
+        results.put(exc)
+        return
+    results.put(records)

@@ -59,7 +59,7 @@ _RESERVED_ID = re.compile(r"__.*__", re.DOTALL)
 
 def _firestore() -> Any:
     try:
-        from google.cloud import firestore
+        import google.cloud.firestore as firestore
     except ImportError as exc:
         raise ImproperlyConfigured(
             "The Firestore lock backend needs google-cloud-firestore: "
@@ -253,18 +253,20 @@ class FirestoreBackend(BaseLockBackend):
         lock_ref, fence_ref = self._refs(key)
         lock_id = generate_lock_id()
 
-        def attempt() -> AcquireResult:
-            # A plain read first: a held lock is answered without a write transaction,
-            # so contention never turns into aborted transactions.
-            current = self._call(lambda: lock_ref.get())
-            if self._live(current, server_ms(current.read_time)):
-                return AcquireResult.locked()
-            check_cancel(cancel, {"key": key})
+        # A plain read first: a held lock is answered without a write transaction.
+        current = self._call(lambda: lock_ref.get())
+        if self._live(current, server_ms(current.read_time)):
+            return AcquireResult.locked()
+        check_cancel(cancel, {"key": key})
+        try:
             return self._transaction(
                 lambda tx: self._acquire_in(tx, lock_ref, fence_ref, key, lock_id, ttl_ms, cancel)
             )
-
-        return self._with_conflicts(attempt)
+        except _Conflict:
+            # Firestore aborted us because another client was taking (or changing) this
+            # very lock at the same moment: that is contention, and the caller's retry
+            # loop is the place to wait. Nothing of ours was written.
+            return AcquireResult.locked()
 
     def _acquire_in(
         self,

@@ -1,0 +1,218 @@
+"""What is particular to the Firestore backend (the contract suite covers the rest)."""
+
+from __future__ import annotations
+
+import socket
+import sys
+import threading
+import time
+
+import pytest
+from google.api_core import exceptions as api
+
+from django_syncguard import (
+    AuthFailed,
+    Internal,
+    InvalidArgument,
+    NetworkTimeout,
+    RateLimited,
+    ServiceUnavailable,
+)
+from django_syncguard.backends.firestore import (
+    FirestoreBackend,
+    document_id,
+    map_firestore_error,
+)
+from django_syncguard.handler import InvalidBackendError, LockHandler
+from tests.harness import FirestoreHarness
+
+
+@pytest.fixture
+def fh(firestore_emulator):
+    return FirestoreHarness()
+
+
+def lock_docs(harness: FirestoreHarness) -> dict[str, dict]:
+    coll = harness.firestore.client.collection(harness.firestore.collection)
+    return {snap.id: snap.to_dict() for snap in coll.stream()}
+
+
+# --------------------------------------------------------------- documents
+def test_layout_lock_document_and_fence_counter(fh):
+    backend = fh.firestore
+    result = backend.acquire("invoice:42", 60_000)
+    doc = lock_docs(fh)["invoice:42"]
+    assert {k: doc[k] for k in ("lockId", "key", "fence")} == {
+        "lockId": result.lock_id,
+        "key": "invoice:42",
+        "fence": "000000000000001",
+    }
+    assert doc["expiresAtMs"] - doc["acquiredAtMs"] == 60_000
+    counter = backend.client.collection(backend.fence_collection).document("fence:invoice:42").get()
+    assert counter.to_dict() == {"fence": "000000000000001"}
+    backend.release(result.lock_id)
+    assert lock_docs(fh) == {}
+    assert counter.reference.get().to_dict() == {"fence": "000000000000001"}  # kept
+
+
+@pytest.mark.parametrize("key", ["invoice/42", "a/b/c", ".", "..", "__reserved__"])
+def test_keys_that_are_not_document_ids_still_lock(fh, key):
+    backend = fh.firestore
+    assert document_id(key) != key
+    result = backend.acquire(key, 60_000)
+    assert result.fence == "000000000000001"
+    assert backend.acquire(key, 60_000).ok is False
+    assert backend.lookup_raw(lock_id=result.lock_id).key == key
+    assert backend.lookup_raw(key=key).lock_id == result.lock_id
+    assert backend.release(result.lock_id).ok is True
+    assert backend.acquire(key, 60_000).fence == "000000000000002"
+
+
+# -------------------------------------------------------------- duplicates
+def duplicate(fh, source_id: str, copy_id: str, **changes) -> None:
+    coll = fh.firestore.client.collection(fh.firestore.collection)
+    coll.document(copy_id).set({**coll.document(source_id).get().to_dict(), **changes})
+
+
+def test_expired_duplicate_is_removed_and_the_live_lock_released(fh):
+    result = fh.firestore.acquire("dup", 60_000)
+    expired_at = lock_docs(fh)["dup"]["expiresAtMs"] - 120_000
+    duplicate(fh, "dup", "stale-copy", expiresAtMs=expired_at)
+    assert fh.firestore.release(result.lock_id).ok is True
+    assert lock_docs(fh) == {}  # the live one released, the expired copy cleaned up
+
+
+def test_two_live_duplicates_fail_safe(fh, syncguard_log):
+    result = fh.firestore.acquire("dup", 60_000)
+    duplicate(fh, "dup", "live-copy")
+    assert fh.firestore.extend(result.lock_id, 60_000).ok is False
+    assert fh.firestore.release(result.lock_id).ok is False
+    assert fh.firestore.lookup(lock_id=result.lock_id) is None
+    assert set(lock_docs(fh)) == {"dup", "live-copy"}  # nothing mutated
+    assert any("carry one lock id" in r.getMessage() for r in syncguard_log.records)
+
+
+# ------------------------------------------------------------- contention
+def test_eight_threads_on_one_key_get_ok_or_locked_never_an_error(fh):
+    backend = fh.firestore
+    outcomes: list[str] = []
+    errors: list[BaseException] = []
+    start = threading.Barrier(8)
+
+    def worker() -> None:
+        start.wait()
+        for _ in range(15):
+            try:
+                result = backend.acquire("hot", 60_000)
+                outcomes.append("ok" if result.ok else result.reason)
+                if result.ok:
+                    assert backend.release(result.lock_id).ok
+            except BaseException as exc:
+                errors.append(exc)
+
+    threads = [threading.Thread(target=worker) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert len(outcomes) == 120
+    assert set(outcomes) <= {"ok", "locked"}
+    assert outcomes.count("ok") >= 1
+
+
+# -------------------------------------------------------------------- cleanup
+def test_cleanup_in_is_locked_deletes_long_expired_lock_documents(firestore_emulator):
+    harness = FirestoreHarness(CLEANUP_IN_IS_LOCKED=True)
+    backend = harness.firestore
+    backend.acquire("old", 1_000)
+    harness.advance(1_000 + 1_500)
+    assert backend.is_locked("old") is False
+    assert "old" in lock_docs(harness)
+    harness.advance(1_000)
+    assert backend.is_locked("old") is False
+    assert "old" not in lock_docs(harness)
+    assert backend.acquire("old", 1_000).fence == "000000000000002"  # counter kept
+
+
+# --------------------------------------------------------------------- errors
+def test_unreachable_emulator_is_service_unavailable_quickly(monkeypatch):
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    monkeypatch.setenv("FIRESTORE_EMULATOR_HOST", f"127.0.0.1:{port}")
+    backend = FirestoreBackend("down", {"OPTIONS": {"PROJECT": "p", "OPERATION_TIMEOUT_MS": 2_000}})
+    started = time.monotonic()
+    with pytest.raises((ServiceUnavailable, NetworkTimeout)):
+        backend.acquire("k", 1_000)
+    assert time.monotonic() - started < 30  # bounded: the library would retry for minutes
+    backend.close()
+
+
+def test_silent_server_times_out(monkeypatch):
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(16)
+    monkeypatch.setenv("FIRESTORE_EMULATOR_HOST", f"127.0.0.1:{silent.getsockname()[1]}")
+    backend = FirestoreBackend(
+        "silent", {"OPTIONS": {"PROJECT": "p", "OPERATION_TIMEOUT_MS": 1_000}}
+    )
+    started = time.monotonic()
+    with pytest.raises((NetworkTimeout, ServiceUnavailable)):
+        backend.is_locked("k")
+    assert time.monotonic() - started < 30
+    backend.close()
+    silent.close()
+
+
+@pytest.mark.parametrize(
+    ("error", "expected"),
+    [
+        (api.ServiceUnavailable("down"), ServiceUnavailable),
+        (api.InternalServerError("oops"), ServiceUnavailable),
+        (api.Aborted("conflict"), ServiceUnavailable),
+        (api.DeadlineExceeded("slow"), NetworkTimeout),
+        (api.PermissionDenied("no"), AuthFailed),
+        (api.Unauthenticated("who"), AuthFailed),
+        (api.InvalidArgument("bad"), InvalidArgument),
+        (api.FailedPrecondition("index"), InvalidArgument),
+        (api.ResourceExhausted("quota"), RateLimited),
+        (api.NotFound("gone"), Internal),
+    ],
+)
+def test_firestore_errors_are_mapped(error, expected):
+    mapped = map_firestore_error(error, "f")
+    assert type(mapped) is expected
+    assert mapped.context["cause"] is error
+
+
+# -------------------------------------------------------------- configuration
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"COLLECTION": "same", "FENCE_COLLECTION": "same"}, "must differ"),
+        ({"COLLECTION": "a/b"}, "not a valid Firestore collection id"),
+        ({"COLLECTION": ""}, "not a valid Firestore collection id"),
+        ({"FENCE_COLLECTION": "__x__"}, "not a valid Firestore collection id"),
+        ({"COLLECTION": ".."}, "not a valid Firestore collection id"),
+        ({"CLIENT_KWARGS": "x"}, "CLIENT_KWARGS"),
+    ],
+)
+def test_bad_configuration_is_refused(options, message):
+    with pytest.raises(InvalidArgument, match=message):
+        FirestoreBackend("f", {"OPTIONS": options})
+
+
+def test_deploy_check_gives_the_index_and_ttl_hint():
+    [info] = FirestoreBackend("f", {"OPTIONS": {"COLLECTION": "locks"}}).deploy_check()
+    assert info.id == "syncguard.I020"
+    assert "lockId" in info.msg and "purgeAt" in info.msg
+
+
+def test_missing_extra_names_the_pip_command(monkeypatch):
+    monkeypatch.setitem(sys.modules, "google.cloud.firestore", None)
+    handler = LockHandler(
+        {"f": {"BACKEND": "django_syncguard.backends.firestore.FirestoreBackend"}}
+    )
+    with pytest.raises(InvalidBackendError, match=r'pip install "django-syncguard\[firestore\]"'):
+        handler["f"]
