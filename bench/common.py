@@ -28,12 +28,14 @@ MethodFactory = Callable[[int], tuple[Acquire, Release]]
 class Sample:
     cycles: int = 0
     attempts: int = 0
+    errors: int = 0  # acquire or release raised
     acquire_ns: list[int] = field(default_factory=list)
     release_ns: list[int] = field(default_factory=list)
 
     def merge(self, other: Sample) -> None:
         self.cycles += other.cycles
         self.attempts += other.attempts
+        self.errors += other.errors
         self.acquire_ns += other.acquire_ns
         self.release_ns += other.release_ns
 
@@ -49,13 +51,21 @@ def run_client(factory: MethodFactory, client: int, shared: bool, seconds: float
         key = keys[n % len(keys)]
         n += 1
         started = time.perf_counter_ns()
-        token = acquire(key)
-        acquired = time.perf_counter_ns()
         sample.attempts += 1
+        try:
+            token = acquire(key)
+        except Exception:
+            sample.errors += 1
+            continue
+        acquired = time.perf_counter_ns()
         sample.acquire_ns.append(acquired - started)
         if token is None:
             continue
-        release(token)
+        try:
+            release(token)
+        except Exception:
+            sample.errors += 1
+            continue
         sample.release_ns.append(time.perf_counter_ns() - acquired)
         sample.cycles += 1
     return sample
@@ -142,7 +152,9 @@ def print_table(
     print(f"\n## {title}\n")
     header = f"| scenario | keys | method | cycles/s | x {baseline} |"
     header += f" x {also} |" if also else ""
-    header += " acquire p50 µs | acquire p99 µs | release p50 µs | release p99 µs | attempts/s |"
+    header += (
+        " acquire p50 µs | acquire p99 µs | release p50 µs | release p99 µs | attempts/s | errors |"
+    )
     print(header)
     print("|" + "---|" * (header.count("|") - 1))
     rates = {(m, k, name): s.cycles / seconds for m, k, name, s in rows}
@@ -155,5 +167,5 @@ def print_table(
             line += f" {rate / other:.2f} |"
         for values in (sample.acquire_ns, sample.release_ns):
             line += f" {percentile_us(values, 50):,.0f} | {percentile_us(values, 99):,.0f} |"
-        line += f" {sample.attempts / seconds:,.0f} |"
+        line += f" {sample.attempts / seconds:,.0f} | {sample.errors} |"
         print(line, flush=True)
