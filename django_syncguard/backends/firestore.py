@@ -1,4 +1,4 @@
-"""The Firestore backend: transactional locks, with Firestore's own clock.
+"""The Firestore backend: compare-and-swap locks, with Firestore's own clock.
 
 ``OPTIONS``: ``PROJECT`` (default: the client library's usual discovery, e.g.
 ``GOOGLE_CLOUD_PROJECT``), ``DATABASE`` (default ``"(default)"``), ``COLLECTION``
@@ -48,9 +48,8 @@ RESERVE = RESERVE_BYTES["FIRESTORE"]
 _EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
 _MS = dt.timedelta(milliseconds=1)
 
-#: Transaction attempts per operation when Firestore aborts one for a conflict (its
-#: normal answer to concurrent transactions on one document). Each attempt starts by
-#: re-reading, so a conflict with a new holder ends as "locked", not as an error.
+#: Attempts of a release or extend whose guarded write found the lock changed since
+#: its read (e.g. renewed by auto-extend at that instant). Each starts over.
 CONFLICT_ATTEMPTS = 5
 
 _COLLECTION_ID = re.compile(r"[^/]+")
@@ -124,10 +123,6 @@ def map_firestore_error(exc: BaseException, alias: str) -> LockError:
     except ImportError:  # pragma: no cover - google-auth comes with the client
         pass
     return error_cls(message, context={"cause": exc})
-
-
-class _Conflict(Exception):
-    """Firestore aborted the transaction because another one touched its documents."""
 
 
 class FirestoreBackend(BaseLockBackend):
@@ -216,70 +211,42 @@ class FirestoreBackend(BaseLockBackend):
                 raise map_firestore_error(exc, self.alias) from exc
             raise
 
-    def _transaction(self, work: Callable[[Any], T]) -> T:
-        """Run ``work(transaction)`` once; ``_Conflict`` when Firestore aborted it."""
-        firestore = _firestore()
-        from google.api_core.exceptions import Aborted
+    def _commit(self, batch: Any) -> bool:
+        """Commit a batched write whose preconditions guard what we read.
 
-        def run() -> T:
-            result: T = firestore.transactional(work)(self.client.transaction(max_attempts=1))
-            return result
+        False when a precondition failed: a document changed (or appeared) since our
+        read, so nothing was written. Any other failure is a ``LockError``.
+        """
+        from google.api_core.exceptions import AlreadyExists, Conflict, FailedPrecondition
 
-        try:
-            return self._call(run)
-        except ServiceUnavailable as exc:
-            cause = exc.context.get("cause")
-            if isinstance(cause, Aborted) or isinstance(getattr(cause, "__cause__", None), Aborted):
-                raise _Conflict from exc
-            raise
-
-    def _with_conflicts(self, attempt: Callable[[], T]) -> T:
-        for _ in range(CONFLICT_ATTEMPTS - 1):
+        def commit() -> bool:
             try:
-                return attempt()
-            except _Conflict:
-                continue
-        try:
-            return attempt()
-        except _Conflict as exc:
-            raise ServiceUnavailable(
-                f"Firestore ({self.alias!r}): transaction aborted {CONFLICT_ATTEMPTS} times "
-                "by concurrent writers.",
-                context={"cause": exc.__cause__},
-            ) from exc
+                batch.commit()
+            except (FailedPrecondition, AlreadyExists, Conflict):
+                return False
+            return True
+
+        return self._call(commit)
+
+    def _unchanged(self, snap: Any) -> dict[str, Any]:
+        """Write option: the document is still as ``snap`` saw it."""
+        return {"option": self.client.write_option(last_update_time=snap.update_time)}
+
+    def _put(self, batch: Any, ref: Any, snap: Any, data: dict[str, Any]) -> None:
+        """Write ``data`` as the whole document, only if it is still as ``snap`` saw it
+        (still absent, or not updated since)."""
+        if snap.exists:
+            batch.update(ref, data, **self._unchanged(snap))  # every field is rewritten
+        else:
+            batch.create(ref, data)  # fails if someone created it meanwhile
 
     # --------------------------------------------------------------- acquire
     def _acquire(self, key: str, ttl_ms: int, cancel: CancelToken | None) -> AcquireResult:
         lock_ref, fence_ref = self._refs(key)
-        lock_id = generate_lock_id()
-
-        # A plain read first: a held lock is answered without a write transaction.
-        current = self._call(lambda: lock_ref.get())
-        if self._live(current, server_ms(current.read_time)):
-            return AcquireResult.locked()
-        check_cancel(cancel, {"key": key})
-        try:
-            return self._transaction(
-                lambda tx: self._acquire_in(tx, lock_ref, fence_ref, key, lock_id, ttl_ms, cancel)
-            )
-        except _Conflict:
-            # Firestore aborted us because another client was taking (or changing) this
-            # very lock at the same moment: that is contention, and the caller's retry
-            # loop is the place to wait. Nothing of ours was written.
-            return AcquireResult.locked()
-
-    def _acquire_in(
-        self,
-        tx: Any,
-        lock_ref: Any,
-        fence_ref: Any,
-        key: str,
-        lock_id: str,
-        ttl_ms: int,
-        cancel: CancelToken | None,
-    ) -> AcquireResult:
-        snaps = {snap.reference.path: snap for snap in tx.get_all([lock_ref, fence_ref])}
-        current, counter = snaps[lock_ref.path], snaps[fence_ref.path]
+        # One read of both documents; its read_time is "now".
+        snaps = self._call(lambda: list(self.client.get_all([lock_ref, fence_ref])))
+        by_path = {snap.reference.path: snap for snap in snaps}
+        current, counter = by_path[lock_ref.path], by_path[fence_ref.path]
         now = server_ms(current.read_time)
         if self._live(current, now):
             return AcquireResult.locked()
@@ -287,19 +254,24 @@ class FirestoreBackend(BaseLockBackend):
         if fence > FENCE_MAX:
             raise fence_overflow_error(key)
         check_cancel(cancel, {"key": key})  # after reads, before writes
+        lock_id = generate_lock_id()
         expires = now + ttl_ms
-        tx.set(fence_ref, {"fence": format_fence(fence)})
-        tx.set(
-            lock_ref,
-            {
-                "lockId": lock_id,
-                "expiresAtMs": expires,
-                "acquiredAtMs": now,
-                "key": key,
-                "fence": format_fence(fence),
-                "purgeAt": purge_at(expires),
-            },
-        )
+        lock = {
+            "lockId": lock_id,
+            "expiresAtMs": expires,
+            "acquiredAtMs": now,
+            "key": key,
+            "fence": format_fence(fence),
+            "purgeAt": purge_at(expires),
+        }
+        # One atomic batch, each write guarded by "unchanged since our read": if another
+        # client took or changed this lock (or its counter) meanwhile, nothing is
+        # written, and that is contention.
+        batch = self.client.batch()
+        self._put(batch, fence_ref, counter, {"fence": format_fence(fence)})
+        self._put(batch, lock_ref, current, lock)
+        if not self._commit(batch):
+            return AcquireResult.locked()
         return AcquireResult(
             ok=True, lock_id=lock_id, expires_at_ms=expires, fence=format_fence(fence)
         )
@@ -315,37 +287,35 @@ class FirestoreBackend(BaseLockBackend):
 
     # ------------------------------------------------------- release, extend
     def _mutate(
-        self, lock_id: str, cancel: CancelToken | None, apply: Callable[[Any, Any, int], int | None]
-    ) -> tuple[str, int | None]:
-        """Resolve ``lock_id`` by query, then in one transaction re-read those documents
-        by reference, verify, clean expired duplicates and ``apply(tx, snap, now)``.
+        self, lock_id: str, cancel: CancelToken | None, apply: Callable[[Any, Any, int], Any]
+    ) -> tuple[str, Any]:
+        """Resolve ``lock_id`` by query, verify what came back, and apply the change in
+        one batch guarded by "unchanged since the query read it".
 
-        Returns ("ok", value), ("expired", None) or ("not-found", None).
+        Returns ("ok", value), ("expired", None) or ("not-found", None). When a guard
+        fails (the lock was extended, released or replaced meanwhile) it starts over,
+        up to ``CONFLICT_ATTEMPTS`` times.
         """
+        for _ in range(CONFLICT_ATTEMPTS):
+            outcome = self._mutate_once(lock_id, cancel, apply)
+            if outcome is not None:
+                return outcome
+        raise ServiceUnavailable(
+            f"Firestore ({self.alias!r}): the lock kept changing during "
+            f"{CONFLICT_ATTEMPTS} attempts."
+        )
 
-        def attempt() -> tuple[str, int | None]:
-            refs = self._call(lambda: [s.reference for s in self._by_lock_id(lock_id).stream()])
-            if not refs:
-                return "not-found", None
-            check_cancel(cancel, {"lock_id": lock_id})
-            return self._transaction(lambda tx: self._mutate_in(tx, refs, lock_id, cancel, apply))
-
-        return self._with_conflicts(attempt)
-
-    def _mutate_in(
-        self,
-        tx: Any,
-        refs: list[Any],
-        lock_id: str,
-        cancel: CancelToken | None,
-        apply: Callable[[Any, Any, int], int | None],
-    ) -> tuple[str, int | None]:
-        snaps = [s for s in tx.get_all(refs) if s.exists and s.get("lockId") == lock_id]
+    def _mutate_once(
+        self, lock_id: str, cancel: CancelToken | None, apply: Callable[[Any, Any, int], Any]
+    ) -> tuple[str, Any] | None:
+        found = self._call(lambda: list(self._by_lock_id(lock_id).stream()))
+        snaps = [s for s in found if s.get("lockId") == lock_id]  # ADR-003
         if not snaps:
             return "not-found", None
         now = server_ms(snaps[0].read_time)
         live = [s for s in snaps if self._live(s, now)]
         check_cancel(cancel, {"lock_id": lock_id})  # after reads, before writes
+        batch = self.client.batch()
         if len(snaps) > 1:  # ADR-014: duplicates of one lock id
             logger.warning(
                 "%d lock documents carry one lock id (%d live); expired ones are removed.",
@@ -354,12 +324,15 @@ class FirestoreBackend(BaseLockBackend):
             )
             for snap in snaps:
                 if snap not in live:
-                    tx.delete(snap.reference)
-            if len(live) > 1:
-                return "not-found", None  # fail safe: never mutate an ambiguous lock
-        if not live:
+                    batch.delete(snap.reference, **self._unchanged(snap))
+            if len(live) != 1:  # none to act on, or ambiguous: fail safe, only clean up
+                if not self._commit(batch):
+                    return None
+                return ("expired", None) if not live else ("not-found", None)
+        elif not live:
             return "expired", None
-        return "ok", apply(tx, live[0], now)
+        value = apply(batch, live[0], now)
+        return ("ok", value) if self._commit(batch) else None
 
     def _by_lock_id(self, lock_id: str) -> Any:
         from google.cloud.firestore_v1.base_query import FieldFilter
@@ -368,8 +341,8 @@ class FirestoreBackend(BaseLockBackend):
         return self._locks().where(filter=FieldFilter("lockId", "==", lock_id))
 
     def _release(self, lock_id: str, cancel: CancelToken | None) -> ReleaseResult:
-        def delete(tx: Any, snap: Any, now: int) -> None:
-            tx.delete(snap.reference)
+        def delete(batch: Any, snap: Any, now: int) -> None:
+            batch.delete(snap.reference, **self._unchanged(snap))
 
         outcome, _ = self._mutate(lock_id, cancel, delete)
         if outcome == "ok":
@@ -377,14 +350,17 @@ class FirestoreBackend(BaseLockBackend):
         return ReleaseResult(ok=False, reason=outcome)  # type: ignore[arg-type]
 
     def _extend(self, lock_id: str, ttl_ms: int, cancel: CancelToken | None) -> ExtendResult:
-        def renew(tx: Any, snap: Any, now: int) -> int:
-            tx.update(
-                snap.reference, {"expiresAtMs": now + ttl_ms, "purgeAt": purge_at(now + ttl_ms)}
+        def renew(batch: Any, snap: Any, now: int) -> int:
+            expires = now + ttl_ms
+            batch.update(
+                snap.reference,
+                {"expiresAtMs": expires, "purgeAt": purge_at(expires)},
+                **self._unchanged(snap),
             )
-            return now + ttl_ms
+            return expires
 
         outcome, expires = self._mutate(lock_id, cancel, renew)
-        if outcome == "ok" and expires is not None:
+        if outcome == "ok":
             return ExtendResult(ok=True, expires_at_ms=expires)
         return ExtendResult(ok=False, reason=outcome)  # type: ignore[arg-type]
 
