@@ -216,3 +216,18 @@ def test_missing_extra_names_the_pip_command(monkeypatch):
     )
     with pytest.raises(InvalidBackendError, match=r'pip install "django-syncguard\[firestore\]"'):
         handler["f"]
+
+
+async def test_async_twins_use_the_async_client_and_map_its_errors(fh, monkeypatch):
+    result = await fh.firestore.aacquire("async", 60_000)
+    assert result.fence == "000000000000001"
+    loop_client = fh.firestore.aclient()
+    assert type(loop_client).__name__ == "AsyncClient"
+    assert (await fh.firestore.arelease(result.lock_id)).ok is True
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    monkeypatch.setenv("FIRESTORE_EMULATOR_HOST", f"127.0.0.1:{port}")
+    down = FirestoreBackend("down", {"OPTIONS": {"PROJECT": "p", "OPERATION_TIMEOUT_MS": 2_000}})
+    with pytest.raises((ServiceUnavailable, NetworkTimeout)):
+        await down.aacquire("k", 1_000)

@@ -14,10 +14,12 @@ client clocks do not matter. See ``specs/backends/firestore.md``.
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import logging
 import re
-from collections.abc import Callable, Mapping
+import weakref
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, ClassVar, TypeVar
 
 from django.core.exceptions import ImproperlyConfigured
@@ -157,80 +159,107 @@ class FirestoreBackend(BaseLockBackend):
         self._client_kwargs = dict(client_kwargs)
         _firestore()  # fail at start-up, not at the first lock, when the extra is missing
         self._client: Any = None
+        self._async: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Any] = (
+            weakref.WeakKeyDictionary()
+        )
 
-    # ---------------------------------------------------------------- client
+    # --------------------------------------------------------------- clients
+    def _client_options(self) -> dict[str, Any]:
+        kwargs = dict(self._client_kwargs)
+        if self.project:
+            kwargs.setdefault("project", self.project)
+        if self.database:
+            kwargs.setdefault("database", self.database)
+        return kwargs
+
     @property
     def client(self) -> Any:
         """The Firestore client, built on first use with bounded calls."""
         if self._client is None:
-            firestore = _firestore()
-            kwargs = dict(self._client_kwargs)
-            if self.project:
-                kwargs.setdefault("project", self.project)
-            if self.database:
-                kwargs.setdefault("database", self.database)
             try:
-                client = firestore.Client(**kwargs)
+                client = _firestore().Client(**self._client_options())
                 _bound_every_call(client, self.operation_timeout_ms / 1000)
             except Exception as exc:
                 raise map_firestore_error(exc, self.alias) from exc
             self._client = client
         return self._client
 
+    def aclient(self) -> Any:
+        """The ``AsyncClient`` of the running event loop (gRPC channels are per loop)."""
+        loop = asyncio.get_running_loop()
+        client = self._async.get(loop)
+        if client is None:
+            try:
+                client = _firestore().AsyncClient(**self._client_options())
+                _bound_every_call(client, self.operation_timeout_ms / 1000, asynchronous=True)
+            except Exception as exc:
+                raise map_firestore_error(exc, self.alias) from exc
+            self._async[loop] = client
+        return client
+
     def close(self, **kwargs: Any) -> None:
         if self._client is not None:
             self._client.close()
             self._client = None
+        self._async = weakref.WeakKeyDictionary()
 
-    def _locks(self) -> Any:
-        return self.client.collection(self.collection)
+    def _locks(self, client: Any = None) -> Any:
+        return (client or self.client).collection(self.collection)
 
-    def _refs(self, key: str) -> tuple[Any, Any]:
+    def _refs(self, key: str, client: Any = None) -> tuple[Any, Any]:
+        client = client or self.client
         lock_doc = document_id(key)
         fence_doc = make_storage_key("", f"fence:{lock_doc}", LIMIT_BYTES, RESERVE)
         return (
-            self._locks().document(lock_doc),
-            self.client.collection(self.fence_collection).document(fence_doc),
+            client.collection(self.collection).document(lock_doc),
+            client.collection(self.fence_collection).document(fence_doc),
         )
+
+    def _by_lock_id(self, lock_id: str, client: Any = None) -> Any:
+        from google.cloud.firestore_v1.base_query import FieldFilter
+
+        # No limit: duplicates must be seen to be handled (ADR-014).
+        return self._locks(client).where(filter=FieldFilter("lockId", "==", lock_id))
+
+    # ---------------------------------------------------------------- errors
+    def _mapped(self, exc: Exception) -> Exception:
+        """The exception to raise for ``exc``: a ``LockError`` for library errors."""
+        from google.api_core.exceptions import GoogleAPIError
+
+        if isinstance(exc, LockError):
+            return exc
+        if isinstance(exc, ValueError) and not isinstance(exc, GoogleAPIError):
+            # The library wraps some failures in ValueError; ours have no cause.
+            return map_firestore_error(exc.__cause__, self.alias) if exc.__cause__ else exc
+        if isinstance(exc, GoogleAPIError) or type(exc).__module__.startswith(("google.", "grpc")):
+            return map_firestore_error(exc, self.alias)
+        return exc
 
     def _call(self, fn: Callable[[], T]) -> T:
         """Run ``fn``, mapping library errors to ``LockError``."""
-        from google.api_core.exceptions import GoogleAPIError
-
         try:
             return fn()
-        except LockError:
-            raise
-        except (GoogleAPIError, ValueError) as exc:
-            cause = exc.__cause__ if isinstance(exc, ValueError) else exc
-            if cause is None:  # a ValueError of our own making, not the library's
-                raise
-            raise map_firestore_error(cause, self.alias) from exc
         except Exception as exc:
-            if type(exc).__module__.startswith(("google.", "grpc")):
-                raise map_firestore_error(exc, self.alias) from exc
-            raise
+            mapped = self._mapped(exc)
+            if mapped is exc:
+                raise
+            raise mapped from exc
 
-    def _commit(self, batch: Any) -> bool:
-        """Commit a batched write whose preconditions guard what we read.
+    async def _acall(self, awaitable: Awaitable[T]) -> T:
+        try:
+            return await awaitable
+        except Exception as exc:
+            mapped = self._mapped(exc)
+            if mapped is exc:
+                raise
+            raise mapped from exc
 
-        False when a precondition failed: a document changed (or appeared) since our
-        read, so nothing was written. Any other failure is a ``LockError``.
-        """
-        from google.api_core.exceptions import AlreadyExists, Conflict, FailedPrecondition
-
-        def commit() -> bool:
-            try:
-                batch.commit()
-            except (FailedPrecondition, AlreadyExists, Conflict):
-                return False
-            return True
-
-        return self._call(commit)
-
-    def _unchanged(self, snap: Any) -> dict[str, Any]:
+    # ------------------------------------------------------ guarded batches
+    @staticmethod
+    def _unchanged(snap: Any) -> dict[str, Any]:
         """Write option: the document is still as ``snap`` saw it."""
-        return {"option": self.client.write_option(last_update_time=snap.update_time)}
+        option = _firestore().Client.write_option(last_update_time=snap.update_time)
+        return {"option": option}
 
     def _put(self, batch: Any, ref: Any, snap: Any, data: dict[str, Any]) -> None:
         """Write ``data`` as the whole document, only if it is still as ``snap`` saw it
@@ -240,14 +269,42 @@ class FirestoreBackend(BaseLockBackend):
         else:
             batch.create(ref, data)  # fails if someone created it meanwhile
 
+    def _commit(self, batch: Any) -> bool:
+        """Commit a guarded batch. False when a guard failed: a document changed (or
+        appeared) since our read, and nothing was written."""
+        try:
+            self._call(batch.commit)
+        except LockError as exc:
+            if _guard_failed(exc):
+                return False
+            raise
+        return True
+
+    async def _acommit(self, batch: Any) -> bool:
+        try:
+            await self._acall(batch.commit())
+        except LockError as exc:
+            if _guard_failed(exc):
+                return False
+            raise
+        return True
+
     # --------------------------------------------------------------- acquire
-    def _acquire(self, key: str, ttl_ms: int, cancel: CancelToken | None) -> AcquireResult:
-        lock_ref, fence_ref = self._refs(key)
-        # One read of both documents; its read_time is "now".
-        snaps = self._call(lambda: list(self.client.get_all([lock_ref, fence_ref])))
+    def _plan_acquire(
+        self,
+        batch: Any,
+        key: str,
+        ttl_ms: int,
+        snaps: list[Any],
+        refs: tuple[Any, Any],
+        cancel: CancelToken | None,
+    ) -> AcquireResult:
+        """Decide from the read: ``locked``, overflow, or fill ``batch`` with the guarded
+        writes of a new lock and return the result they will make true."""
         by_path = {snap.reference.path: snap for snap in snaps}
+        lock_ref, fence_ref = refs
         current, counter = by_path[lock_ref.path], by_path[fence_ref.path]
-        now = server_ms(current.read_time)
+        now = server_ms(current.read_time)  # Firestore's clock
         if self._live(current, now):
             return AcquireResult.locked()
         fence = (int(counter.get("fence")) if counter.exists else 0) + 1
@@ -264,17 +321,32 @@ class FirestoreBackend(BaseLockBackend):
             "fence": format_fence(fence),
             "purgeAt": purge_at(expires),
         }
-        # One atomic batch, each write guarded by "unchanged since our read": if another
-        # client took or changed this lock (or its counter) meanwhile, nothing is
-        # written, and that is contention.
-        batch = self.client.batch()
         self._put(batch, fence_ref, counter, {"fence": format_fence(fence)})
         self._put(batch, lock_ref, current, lock)
-        if not self._commit(batch):
-            return AcquireResult.locked()
         return AcquireResult(
             ok=True, lock_id=lock_id, expires_at_ms=expires, fence=format_fence(fence)
         )
+
+    # If a guard fails, another client took or changed this lock (or its counter)
+    # between our read and our write: nothing was written, and that is contention.
+    def _acquire(self, key: str, ttl_ms: int, cancel: CancelToken | None) -> AcquireResult:
+        refs = self._refs(key)
+        snaps = self._call(lambda: list(self.client.get_all(list(refs))))
+        batch = self.client.batch()
+        result = self._plan_acquire(batch, key, ttl_ms, snaps, refs, cancel)
+        if result.ok and not self._commit(batch):
+            return AcquireResult.locked()
+        return result
+
+    async def _aacquire(self, key: str, ttl_ms: int, cancel: CancelToken | None) -> AcquireResult:
+        client = self.aclient()
+        refs = self._refs(key, client)
+        snaps = await self._acall(_collect(client.get_all(list(refs))))
+        batch = client.batch()
+        result = self._plan_acquire(batch, key, ttl_ms, snaps, refs, cancel)
+        if result.ok and not await self._acommit(batch):
+            return AcquireResult.locked()
+        return result
 
     @staticmethod
     def _live(snap: Any, now: int) -> bool:
@@ -286,37 +358,26 @@ class FirestoreBackend(BaseLockBackend):
         )
 
     # ------------------------------------------------------- release, extend
-    def _mutate(
-        self, lock_id: str, cancel: CancelToken | None, apply: Callable[[Any, Any, int], Any]
-    ) -> tuple[str, Any]:
-        """Resolve ``lock_id`` by query, verify what came back, and apply the change in
-        one batch guarded by "unchanged since the query read it".
+    def _plan_mutation(
+        self,
+        batch: Any,
+        found: list[Any],
+        lock_id: str,
+        cancel: CancelToken | None,
+        apply: Callable[[Any, Any, int], Any],
+    ) -> tuple[tuple[str, Any], bool]:
+        """Decide from the lock-id query: ((outcome, value), whether to commit ``batch``).
 
-        Returns ("ok", value), ("expired", None) or ("not-found", None). When a guard
-        fails (the lock was extended, released or replaced meanwhile) it starts over,
-        up to ``CONFLICT_ATTEMPTS`` times.
+        Keeps the documents that still carry ``lock_id`` (ADR-003); with duplicates
+        (ADR-014) removes the expired ones and fails safe when several are live.
         """
-        for _ in range(CONFLICT_ATTEMPTS):
-            outcome = self._mutate_once(lock_id, cancel, apply)
-            if outcome is not None:
-                return outcome
-        raise ServiceUnavailable(
-            f"Firestore ({self.alias!r}): the lock kept changing during "
-            f"{CONFLICT_ATTEMPTS} attempts."
-        )
-
-    def _mutate_once(
-        self, lock_id: str, cancel: CancelToken | None, apply: Callable[[Any, Any, int], Any]
-    ) -> tuple[str, Any] | None:
-        found = self._call(lambda: list(self._by_lock_id(lock_id).stream()))
-        snaps = [s for s in found if s.get("lockId") == lock_id]  # ADR-003
+        snaps = [s for s in found if s.get("lockId") == lock_id]
         if not snaps:
-            return "not-found", None
+            return ("not-found", None), False
         now = server_ms(snaps[0].read_time)
         live = [s for s in snaps if self._live(s, now)]
         check_cancel(cancel, {"lock_id": lock_id})  # after reads, before writes
-        batch = self.client.batch()
-        if len(snaps) > 1:  # ADR-014: duplicates of one lock id
+        if len(snaps) > 1:
             logger.warning(
                 "%d lock documents carry one lock id (%d live); expired ones are removed.",
                 len(snaps),
@@ -325,31 +386,47 @@ class FirestoreBackend(BaseLockBackend):
             for snap in snaps:
                 if snap not in live:
                     batch.delete(snap.reference, **self._unchanged(snap))
-            if len(live) != 1:  # none to act on, or ambiguous: fail safe, only clean up
-                if not self._commit(batch):
-                    return None
-                return ("expired", None) if not live else ("not-found", None)
+            if len(live) != 1:  # none to act on, or ambiguous: only clean up
+                return (("expired" if not live else "not-found"), None), True
         elif not live:
-            return "expired", None
-        value = apply(batch, live[0], now)
-        return ("ok", value) if self._commit(batch) else None
+            return ("expired", None), False
+        return ("ok", apply(batch, live[0], now)), True
 
-    def _by_lock_id(self, lock_id: str) -> Any:
-        from google.cloud.firestore_v1.base_query import FieldFilter
+    def _mutate(
+        self, lock_id: str, cancel: CancelToken | None, apply: Callable[[Any, Any, int], Any]
+    ) -> tuple[str, Any]:
+        """Query, verify, guarded batch; start over when a guard fails (the lock was
+        renewed, released or replaced since the query), up to ``CONFLICT_ATTEMPTS``."""
+        for _ in range(CONFLICT_ATTEMPTS):
+            found = self._call(lambda: list(self._by_lock_id(lock_id).stream()))
+            batch = self.client.batch()
+            outcome, commit = self._plan_mutation(batch, found, lock_id, cancel, apply)
+            if not commit or self._commit(batch):
+                return outcome
+        raise self._kept_changing()
 
-        # No limit: duplicates must be seen to be handled (ADR-014).
-        return self._locks().where(filter=FieldFilter("lockId", "==", lock_id))
+    async def _amutate(
+        self, lock_id: str, cancel: CancelToken | None, apply: Callable[[Any, Any, int], Any]
+    ) -> tuple[str, Any]:
+        client = self.aclient()
+        for _ in range(CONFLICT_ATTEMPTS):
+            found = await self._acall(_collect(self._by_lock_id(lock_id, client).stream()))
+            batch = client.batch()
+            outcome, commit = self._plan_mutation(batch, found, lock_id, cancel, apply)
+            if not commit or await self._acommit(batch):
+                return outcome
+        raise self._kept_changing()
 
-    def _release(self, lock_id: str, cancel: CancelToken | None) -> ReleaseResult:
-        def delete(batch: Any, snap: Any, now: int) -> None:
-            batch.delete(snap.reference, **self._unchanged(snap))
+    def _kept_changing(self) -> ServiceUnavailable:
+        return ServiceUnavailable(
+            f"Firestore ({self.alias!r}): the lock kept changing during "
+            f"{CONFLICT_ATTEMPTS} attempts."
+        )
 
-        outcome, _ = self._mutate(lock_id, cancel, delete)
-        if outcome == "ok":
-            return ReleaseResult(ok=True)
-        return ReleaseResult(ok=False, reason=outcome)  # type: ignore[arg-type]
+    def _delete(self, batch: Any, snap: Any, now: int) -> None:
+        batch.delete(snap.reference, **self._unchanged(snap))
 
-    def _extend(self, lock_id: str, ttl_ms: int, cancel: CancelToken | None) -> ExtendResult:
+    def _renewal(self, ttl_ms: int) -> Callable[[Any, Any, int], int]:
         def renew(batch: Any, snap: Any, now: int) -> int:
             expires = now + ttl_ms
             batch.update(
@@ -359,31 +436,65 @@ class FirestoreBackend(BaseLockBackend):
             )
             return expires
 
-        outcome, expires = self._mutate(lock_id, cancel, renew)
-        if outcome == "ok":
-            return ExtendResult(ok=True, expires_at_ms=expires)
-        return ExtendResult(ok=False, reason=outcome)  # type: ignore[arg-type]
+        return renew
+
+    @staticmethod
+    def _released(outcome: tuple[str, Any]) -> ReleaseResult:
+        if outcome[0] == "ok":
+            return ReleaseResult(ok=True)
+        return ReleaseResult(ok=False, reason=outcome[0])  # type: ignore[arg-type]
+
+    @staticmethod
+    def _extended(outcome: tuple[str, Any]) -> ExtendResult:
+        if outcome[0] == "ok":
+            return ExtendResult(ok=True, expires_at_ms=outcome[1])
+        return ExtendResult(ok=False, reason=outcome[0])  # type: ignore[arg-type]
+
+    def _release(self, lock_id: str, cancel: CancelToken | None) -> ReleaseResult:
+        return self._released(self._mutate(lock_id, cancel, self._delete))
+
+    async def _arelease(self, lock_id: str, cancel: CancelToken | None) -> ReleaseResult:
+        return self._released(await self._amutate(lock_id, cancel, self._delete))
+
+    def _extend(self, lock_id: str, ttl_ms: int, cancel: CancelToken | None) -> ExtendResult:
+        return self._extended(self._mutate(lock_id, cancel, self._renewal(ttl_ms)))
+
+    async def _aextend(self, lock_id: str, ttl_ms: int, cancel: CancelToken | None) -> ExtendResult:
+        return self._extended(await self._amutate(lock_id, cancel, self._renewal(ttl_ms)))
 
     # ---------------------------------------------------------------- reads
     def _is_locked(self, key: str, cancel: CancelToken | None) -> bool:
-        lock_ref, _ = self._refs(key)
-        snap = self._call(lambda: lock_ref.get())
-        now = server_ms(snap.read_time)
-        live = self._live(snap, now)
-        if not live and snap.exists and self.cleanup_in_is_locked:
-            self._sweep(snap, now)
+        snap = self._call(self._refs(key)[0].get)
+        live = self._live(snap, server_ms(snap.read_time))
+        option = self._sweep_option(snap, live)
+        if option is not None:
+            try:  # best effort: the answer is already decided
+                self._call(lambda: snap.reference.delete(**option))
+            except LockError as exc:
+                logger.info("Cleanup in is_locked skipped: %s", exc.code)
         return live
 
-    def _sweep(self, snap: Any, now: int) -> None:
-        """Delete a long-expired lock document unless it changed since we read it."""
+    async def _ais_locked(self, key: str, cancel: CancelToken | None) -> bool:
+        snap = await self._acall(self._refs(key, self.aclient())[0].get())
+        live = self._live(snap, server_ms(snap.read_time))
+        option = self._sweep_option(snap, live)
+        if option is not None:
+            try:
+                await self._acall(snap.reference.delete(**option))
+            except LockError as exc:
+                logger.info("Cleanup in is_locked skipped: %s", exc.code)
+        return live
+
+    def _sweep_option(self, snap: Any, live: bool) -> dict[str, Any] | None:
+        """With CLEANUP_IN_IS_LOCKED: the guarded delete of a lock document expired more
+        than the guard ago (None when there is nothing to sweep)."""
+        if live or not snap.exists or not self.cleanup_in_is_locked:
+            return None
+        now = server_ms(snap.read_time)
         expires = int((snap.to_dict() or {}).get("expiresAtMs", now))
         if now - expires <= CLEANUP_GUARD_MS["server"]:
-            return
-        option = self.client.write_option(last_update_time=snap.update_time)
-        try:
-            self._call(lambda: snap.reference.delete(option=option))
-        except LockError as exc:  # best effort: the answer is already decided
-            logger.info("Cleanup in is_locked skipped: %s", exc.code)
+            return None
+        return self._unchanged(snap)
 
     def _record(self, snap: Any) -> LockRecord:
         data = snap.to_dict()
@@ -395,32 +506,32 @@ class FirestoreBackend(BaseLockBackend):
             fence=data["fence"],
         )
 
-    def _lookup_by_key(self, key: str, cancel: CancelToken | None) -> LockRecord | None:
-        lock_ref, _ = self._refs(key)
-        snap = self._call(lambda: lock_ref.get())
+    def _live_record(self, snap: Any) -> LockRecord | None:
         return self._record(snap) if self._live(snap, server_ms(snap.read_time)) else None
 
+    def _one_live(self, snaps: list[Any], lock_id: str) -> LockRecord | None:
+        live = [s for s in snaps if s.get("lockId") == lock_id and self._live_record(s)]
+        if len(live) > 1:
+            logger.warning("%d live lock documents carry one lock id.", len(live))
+        return self._record(live[0]) if len(live) == 1 else None
+
+    def _lookup_by_key(self, key: str, cancel: CancelToken | None) -> LockRecord | None:
+        return self._live_record(self._call(self._refs(key)[0].get))
+
+    async def _alookup_by_key(self, key: str, cancel: CancelToken | None) -> LockRecord | None:
+        return self._live_record(await self._acall(self._refs(key, self.aclient())[0].get()))
+
     def _lookup_by_id(self, lock_id: str, cancel: CancelToken | None) -> LockRecord | None:
-        snaps = self._call(lambda: list(self._by_lock_id(lock_id).stream()))
-        live = [
-            s for s in snaps if s.get("lockId") == lock_id and self._live(s, server_ms(s.read_time))
-        ]
-        if len(live) != 1:
-            if len(live) > 1:
-                logger.warning("%d live lock documents carry one lock id.", len(live))
-            return None
-        return self._record(live[0])
+        return self._one_live(self._call(lambda: list(self._by_lock_id(lock_id).stream())), lock_id)
+
+    async def _alookup_by_id(self, lock_id: str, cancel: CancelToken | None) -> LockRecord | None:
+        query = self._by_lock_id(lock_id, self.aclient())
+        return self._one_live(await self._acall(_collect(query.stream())), lock_id)
 
     def now_ms(self) -> int:
         """Firestore's clock: the read time of a (missing) document."""
         snap = self._call(lambda: self._locks().document("syncguard-clock").get())
         return server_ms(snap.read_time)
-
-    # The client is thread-safe: async twins may run in any worker thread.
-    async def _in_thread(self, fn: Callable[..., T], *args: Any) -> T:
-        from asgiref.sync import sync_to_async
-
-        return await sync_to_async(fn, thread_sensitive=False)(*args)
 
     def deploy_check(self) -> list[Any]:
         from django.core import checks
@@ -434,17 +545,31 @@ class FirestoreBackend(BaseLockBackend):
         ]
 
 
-def _bound_every_call(client: Any, timeout_s: float) -> None:
+def _bound_every_call(client: Any, timeout_s: float, *, asynchronous: bool = False) -> None:
     """Give every RPC of ``client`` no retries and ``timeout_s``.
 
-    The generated client retries most calls for up to 60 s by default, and the
-    transaction calls (begin, commit, rollback) take no per-call settings, so the
-    defaults are replaced once, on the client's transport.
+    The generated client retries most calls for up to 60 s by default, and some calls
+    take no per-call settings, so the defaults are replaced once, on the transport.
     """
     from google.api_core import gapic_v1
 
-    transport = client._firestore_api._transport
+    wrap = gapic_v1.method_async.wrap_method if asynchronous else gapic_v1.method.wrap_method
+    transport = client._firestore_api.transport
     for method in list(transport._wrapped_methods):
-        transport._wrapped_methods[method] = gapic_v1.method.wrap_method(  # type: ignore[no-untyped-call]
+        transport._wrapped_methods[method] = wrap(
             method, default_retry=None, default_timeout=timeout_s
         )
+
+
+def _guard_failed(error: LockError) -> bool:
+    """Whether a commit failed only because a precondition did not hold."""
+    from google.api_core.exceptions import AlreadyExists, Conflict, FailedPrecondition
+
+    return isinstance(error.context.get("cause"), FailedPrecondition | AlreadyExists | Conflict)
+
+
+async def _collect(items: Any) -> list[Any]:
+    """A list from the async iterators of the async client."""
+    if hasattr(items, "__aiter__"):
+        return [item async for item in items]
+    return list(await items)
