@@ -126,6 +126,33 @@ def measure(setup: Callable[[], MethodFactory], mode: str, shared: bool, seconds
     return total
 
 
+def run_matrix(
+    methods: dict[str, Callable[[str], MethodFactory]],
+    target: str,
+    modes: str,
+    rounds: int,
+    seconds: float,
+) -> list[tuple[str, str, str, Sample]]:
+    """Every method x mode x (distinct, shared) keys, methods interleaved ``rounds``
+    times per scenario so that drift of a shared machine hits them alike.
+
+    ``target`` is what each method's setup connects to (URL, port, host).
+    """
+    import functools
+
+    rows: list[tuple[str, str, str, Sample]] = []
+    for mode in modes.split(","):
+        for shared in (False, True):
+            samples = {name: Sample() for name in methods}
+            for _ in range(rounds):
+                for name, method in methods.items():
+                    setup = functools.partial(method, target)
+                    samples[name].merge(measure(setup, mode, shared, seconds / rounds))
+            for name, sample in samples.items():
+                rows.append((mode, "shared" if shared else "distinct", name, sample))
+    return rows
+
+
 def percentile_us(values: list[int], q: float) -> float:
     if not values:
         return float("nan")

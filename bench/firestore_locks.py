@@ -16,7 +16,6 @@ for 1 client, 8 threads and 4 processes, distinct keys and one shared key.
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import sys
 from pathlib import Path
@@ -24,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.common import MethodFactory, Sample, machine, measure, print_table  # noqa: E402
+from bench.common import MethodFactory, machine, print_table, run_matrix  # noqa: E402
 from tests.servers import FirestoreEmulator  # noqa: E402
 
 OPTIONS = {"PROJECT": "bench", "COLLECTION": "locks", "FENCE_COLLECTION": "fences"}
@@ -91,18 +90,7 @@ def main() -> None:
             f"{args.seconds:g} s per method and scenario, in {args.rounds} rounds. "
             "attempts/s minus cycles/s are contended or failed attempts."
         )
-        rows: list[tuple[str, str, str, Sample]] = []
-        for mode in args.modes.split(","):
-            for shared in (False, True):
-                samples = {name: Sample() for name in METHODS}
-                for _ in range(args.rounds):
-                    for name, method in METHODS.items():
-                        setup = functools.partial(method, emulator.host)
-                        samples[name].merge(
-                            measure(setup, mode, shared, args.seconds / args.rounds)
-                        )
-                for name, sample in samples.items():
-                    rows.append((mode, "shared" if shared else "distinct", name, sample))
+        rows = run_matrix(METHODS, emulator.host, args.modes, args.rounds, args.seconds)
         print_table("acquire + release cycles", rows, args.seconds, baseline="bare transaction")
     finally:
         emulator.destroy()

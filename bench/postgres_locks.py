@@ -22,7 +22,6 @@ Then the memory one held lock costs (rows, indexes, its fence counter).
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import sys
 import time
@@ -32,7 +31,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.common import MethodFactory, Sample, machine, measure, print_table  # noqa: E402
+from bench.common import MethodFactory, machine, print_table, run_matrix  # noqa: E402
 from tests.servers import PostgresServer  # noqa: E402
 
 NOW_MS = "floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint"
@@ -267,18 +266,7 @@ def main() -> None:
             f"method and scenario, in {args.rounds} interleaved rounds; "
             f"psycopg {psycopg.__version__}."
         )
-        rows: list[tuple[str, str, str, Sample]] = []
-        for mode in args.modes.split(","):
-            for shared in (False, True):
-                samples = {name: Sample() for name in METHODS}
-                for _ in range(args.rounds):
-                    for name, method in METHODS.items():
-                        setup = functools.partial(method, server.port)
-                        samples[name].merge(
-                            measure(setup, mode, shared, args.seconds / args.rounds)
-                        )
-                for name, sample in samples.items():
-                    rows.append((mode, "shared" if shared else "distinct", name, sample))
+        rows = run_matrix(METHODS, server.port, args.modes, args.rounds, args.seconds)
         print_table("acquire + release cycles", rows, args.seconds, baseline="floor", also="seeds")
         per_lock, delta = memory_per_lock(server.port, args.memory_locks)
         print(

@@ -19,7 +19,6 @@ memory one held lock costs, next to one ``SET NX PX`` key.
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import sys
 from pathlib import Path
@@ -27,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.common import MethodFactory, Sample, machine, measure, print_table  # noqa: E402
+from bench.common import MethodFactory, machine, print_table, run_matrix  # noqa: E402
 from tests.servers import RedisServer  # noqa: E402
 
 TTL_MS = 30_000
@@ -149,18 +148,7 @@ def main() -> None:
             f"(no persistence); redis-py {redis.__version__}; {args.seconds:g} s per method "
             f"and scenario, in {args.rounds} interleaved rounds."
         )
-        rows: list[tuple[str, str, str, Sample]] = []
-        for mode in args.modes.split(","):
-            for shared in (False, True):
-                samples = {name: Sample() for name in METHODS}
-                for _ in range(args.rounds):
-                    for name, method in METHODS.items():
-                        setup = functools.partial(method, server.url)
-                        samples[name].merge(
-                            measure(setup, mode, shared, args.seconds / args.rounds)
-                        )
-                for name, sample in samples.items():
-                    rows.append((mode, "shared" if shared else "distinct", name, sample))
+        rows = run_matrix(METHODS, server.url, args.modes, args.rounds, args.seconds)
         print_table(
             "acquire + release cycles", rows, args.seconds, baseline="raw", also="redis-py Lock"
         )

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import multiprocessing
 from collections import defaultdict
 
 import pytest
@@ -10,6 +9,7 @@ from django.db import connections
 
 from tests import workers
 from tests.factories import AccountFactory
+from tests.processes import run_in_processes
 
 PROCESSES = 4
 databases = pytest.mark.django_db(transaction=True, databases=["default", "postgres"])
@@ -19,21 +19,8 @@ per_database = pytest.mark.parametrize(
 
 
 def run_processes(target, args_for) -> list:
-    ctx = multiprocessing.get_context("spawn")
-    barrier = ctx.Barrier(PROCESSES)
-    results = ctx.Queue()
     dbs = {alias: dict(connections[alias].settings_dict) for alias in ("default", "postgres")}
-    procs = [
-        ctx.Process(target=target, args=(dbs, *args_for(i), barrier, results))
-        for i in range(PROCESSES)
-    ]
-    for p in procs:
-        p.start()
-    collected = [results.get(timeout=300) for _ in procs]
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
-    return collected
+    return run_in_processes(target, lambda i: (dbs, *args_for(i)), PROCESSES)
 
 
 @pytest.mark.slow

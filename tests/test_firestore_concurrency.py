@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import multiprocessing
 import uuid
 
 import pytest
 
 from tests import workers
 from tests.harness import FirestoreHarness
+from tests.processes import run_in_processes
 
 PROCESSES = 4
 
@@ -22,24 +22,12 @@ def test_processes_hammering_one_key_never_overlap(firestore_emulator):
         "COLLECTION": f"locks_{suffix}",
         "FENCE_COLLECTION": f"fences_{suffix}",
     }
-    ctx = multiprocessing.get_context("spawn")
-    barrier, results = ctx.Barrier(PROCESSES), ctx.Queue()
-    procs = [
-        ctx.Process(
-            target=workers.firestore_hammer,
-            args=(firestore_emulator.host, options, "hot", iterations, barrier, results),
-        )
-        for _ in range(PROCESSES)
-    ]
-    for p in procs:
-        p.start()
-    per_process = [results.get(timeout=300) for _ in procs]
-    failures = [r for r in per_process if isinstance(r, BaseException)]
-    assert failures == []
+    per_process = run_in_processes(
+        workers.firestore_hammer,
+        lambda i: (firestore_emulator.host, options, "hot", iterations),
+        PROCESSES,
+    )
     records = sorted(r for process in per_process for r in process)
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
     total = PROCESSES * iterations
     assert [seen for seen, _ in records] == list(range(total))  # no lost update, no overlap
     fences = [fence for _, fence in records]

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import multiprocessing
 import uuid
 
 import pytest
 
 from tests import workers
+from tests.processes import run_in_processes
 
 PROCESSES = 4
 
@@ -16,21 +16,10 @@ PROCESSES = 4
 def test_processes_hammering_one_key_never_overlap(redis_server):
     iterations = 150
     prefix = f"mp{uuid.uuid4().hex[:8]}"
-    ctx = multiprocessing.get_context("spawn")
-    barrier, results = ctx.Barrier(PROCESSES), ctx.Queue()
-    procs = [
-        ctx.Process(
-            target=workers.redis_hammer,
-            args=(redis_server.url, prefix, "hot", iterations, barrier, results),
-        )
-        for _ in range(PROCESSES)
-    ]
-    for p in procs:
-        p.start()
-    records = sorted(r for _ in procs for r in results.get(timeout=300))
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
+    per_process = run_in_processes(
+        workers.redis_hammer, lambda i: (redis_server.url, prefix, "hot", iterations), PROCESSES
+    )
+    records = sorted(r for process in per_process for r in process)
     total = PROCESSES * iterations
     assert [seen for seen, _ in records] == list(range(total))  # no lost update, no overlap
     fences = [fence for _, fence in records]  # in the order the sections ran

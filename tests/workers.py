@@ -1,8 +1,8 @@
 """Code that runs in child processes of the concurrency tests (spawned, not forked).
 
-Each child sets Django up from the test settings, pointed at the parent's test
-databases, and talks to them through its own connections, exactly as separate
-worker processes of a deployed project would.
+Each child talks to the servers through its own connections, exactly as separate
+worker processes of a deployed project would. Every worker ends by putting its records
+(or the exception that stopped it) on ``results``; see ``tests/processes.py``.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from typing import Any
 
 
 def setup_django(databases: dict[str, dict[str, Any]]) -> None:
+    """Django from the test settings, pointed at the parent's test databases."""
     os.environ["DJANGO_SETTINGS_MODULE"] = "tests.settings"
     import django
     from django.conf import settings
@@ -22,10 +23,34 @@ def setup_django(databases: dict[str, dict[str, Any]]) -> None:
     django.setup()
 
 
+def _hammer(
+    backend, key, iterations, critical_section, records, barrier, results, retry_delay_ms=1
+) -> None:
+    """Take ``key`` ``iterations`` times around ``critical_section``, then report."""
+    from django_syncguard import lock
+
+    barrier.wait()
+    try:
+        for _ in range(iterations):
+            lock(
+                critical_section,
+                key=key,
+                using=backend,
+                ttl_ms=60_000,
+                retry_delay_ms=retry_delay_ms,
+                max_retries=1_000_000,
+                timeout_ms=300_000,
+            )
+    except Exception as exc:  # a dead child would leave the parent waiting
+        results.put(exc)
+        return
+    results.put(records)
+
+
 def hammer(databases, database, key, iterations, account_pk, barrier, results) -> None:
-    """Take ``key`` ``iterations`` times; inside, increment a row by read-modify-write."""
+    """On the database backend; inside, increment a row by read-modify-write."""
     setup_django(databases)
-    from django_syncguard import current_lock, lock
+    from django_syncguard import current_lock
     from django_syncguard.backends.database import DatabaseBackend
     from tests.testapp.models import Account
 
@@ -38,18 +63,7 @@ def hammer(databases, database, key, iterations, account_pk, barrier, results) -
         accounts.filter(pk=account_pk).update(balance=seen + 1)  # ... modify, write
         records.append((seen, current_lock().fence))
 
-    barrier.wait()
-    for _ in range(iterations):
-        lock(
-            critical_section,
-            key=key,
-            using=backend,
-            ttl_ms=60_000,
-            retry_delay_ms=1,
-            max_retries=1_000_000,
-            timeout_ms=120_000,
-        )
-    results.put(records)
+    _hammer(backend, key, iterations, critical_section, records, barrier, results)
 
 
 def first_acquisitions(databases, database, keys, seed, barrier, results) -> None:
@@ -61,18 +75,22 @@ def first_acquisitions(databases, database, keys, seed, barrier, results) -> Non
     order = list(keys)
     random.Random(seed).shuffle(order[len(order) // 2 :])  # same start, then diverge
     got: list[tuple[str, str]] = []
-    for key in order:
-        barrier.wait()
-        result = backend.acquire(key, 60_000)
-        if result.ok:
-            got.append((key, result.fence))
-            backend.release(result.lock_id)
+    try:
+        for key in order:
+            barrier.wait()
+            result = backend.acquire(key, 60_000)
+            if result.ok:
+                got.append((key, result.fence))
+                backend.release(result.lock_id)
+    except Exception as exc:
+        results.put(exc)
+        return
     results.put(got)
 
 
 def redis_hammer(url, prefix, key, iterations, barrier, results) -> None:
-    """Take ``key`` on Redis ``iterations`` times; inside, GET + SET a shared counter."""
-    from django_syncguard import current_lock, lock
+    """On Redis; inside, GET + SET a shared counter (no atomic INCR)."""
+    from django_syncguard import current_lock
     from django_syncguard.backends.redis import RedisBackend
 
     backend = RedisBackend("worker", {"LOCATION": url, "KEY_PREFIX": prefix})
@@ -80,28 +98,17 @@ def redis_hammer(url, prefix, key, iterations, barrier, results) -> None:
     records: list[tuple[int, str]] = []
 
     def critical_section() -> None:
-        seen = int(backend.client.get(shared) or 0)  # read ...
-        backend.client.set(shared, seen + 1)  # ... modify, write: no atomic INCR
+        seen = int(backend.client.get(shared) or 0)
+        backend.client.set(shared, seen + 1)
         records.append((seen, current_lock().fence))
 
-    barrier.wait()
-    for _ in range(iterations):
-        lock(
-            critical_section,
-            key=key,
-            using=backend,
-            ttl_ms=60_000,
-            retry_delay_ms=1,
-            max_retries=1_000_000,
-            timeout_ms=120_000,
-        )
-    results.put(records)
+    _hammer(backend, key, iterations, critical_section, records, barrier, results)
 
 
 def firestore_hammer(emulator_host, options, key, iterations, barrier, results) -> None:
-    """Take ``key`` on Firestore; inside, get + set a shared counter document."""
+    """On Firestore; inside, get + set a shared counter document (no transaction)."""
     os.environ["FIRESTORE_EMULATOR_HOST"] = emulator_host
-    from django_syncguard import current_lock, lock
+    from django_syncguard import current_lock
     from django_syncguard.backends.firestore import FirestoreBackend
 
     backend = FirestoreBackend("worker", {"OPTIONS": options})
@@ -109,23 +116,8 @@ def firestore_hammer(emulator_host, options, key, iterations, barrier, results) 
     records: list[tuple[int, str]] = []
 
     def critical_section() -> None:
-        seen = (counter.get().to_dict() or {}).get("value", 0)  # read ...
-        counter.set({"value": seen + 1})  # ... modify, write: no transaction
+        seen = (counter.get().to_dict() or {}).get("value", 0)
+        counter.set({"value": seen + 1})
         records.append((seen, current_lock().fence))
 
-    barrier.wait()
-    try:
-        for _ in range(iterations):
-            lock(
-                critical_section,
-                key=key,
-                using=backend,
-                ttl_ms=60_000,
-                retry_delay_ms=5,
-                max_retries=1_000_000,
-                timeout_ms=300_000,
-            )
-    except Exception as exc:  # report it: a dead child would leave the parent waiting
-        results.put(exc)
-        return
-    results.put(records)
+    _hammer(backend, key, iterations, critical_section, records, barrier, results, retry_delay_ms=5)
