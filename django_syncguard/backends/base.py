@@ -79,10 +79,25 @@ def validate_ttl(ttl_ms: object) -> int:
 
 def option_ms(options: Mapping[str, Any], name: str, default: int) -> int:
     """Read a positive millisecond option, e.g. ``OPERATION_TIMEOUT_MS``."""
+    return positive_int_option(options, name, default, unit=" (ms)")
+
+
+def positive_int_option(
+    options: Mapping[str, Any], name: str, default: int, *, unit: str = ""
+) -> int:
+    """Read an option that must be a positive int, e.g. ``MAX_CONNECTIONS``."""
     value: object = options.get(name, default)
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise InvalidArgument(f"OPTIONS[{name!r}] must be a positive int (ms), not {value!r}.")
+        raise InvalidArgument(f"OPTIONS[{name!r}] must be a positive int{unit}, not {value!r}.")
     return value
+
+
+def mapping_option(options: Mapping[str, Any], name: str) -> dict[str, Any]:
+    """Read an option that must be a dict (default empty), e.g. ``CLIENT_KWARGS``."""
+    value = options.get(name, {})
+    if not isinstance(value, Mapping):
+        raise InvalidArgument(f"OPTIONS[{name!r}] must be a dict, not {type(value).__name__}.")
+    return dict(value)
 
 
 class BaseLockBackend:

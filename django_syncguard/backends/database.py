@@ -297,9 +297,14 @@ class DatabaseBackend(BaseLockBackend):
         )
 
     # ----------------------------------------------------------------- helpers
+    @staticmethod
+    def storage_key(key: str) -> str:
+        """The primary key of ``key``'s lock row."""
+        return make_storage_key("", key, LIMIT_BYTES, RESERVE)
+
     def storage_keys(self, key: str) -> tuple[str, str, str | None]:
         """(lock storage key, fence key, user key if it differs from the storage key)."""
-        storage_key = make_storage_key("", key, LIMIT_BYTES, RESERVE)
+        storage_key = self.storage_key(key)
         fence_key = make_fence_key("", key, LIMIT_BYTES, RESERVE)
         return storage_key, fence_key, (key if storage_key != key else None)
 
@@ -418,7 +423,7 @@ class DatabaseBackend(BaseLockBackend):
 
     # ------------------------------------------------------------- is_locked
     def _is_locked(self, key: str, cancel: CancelToken | None) -> bool:
-        storage_key = self.storage_keys(key)[0]
+        storage_key = self.storage_key(key)
         guard = CLEANUP_GUARD_MS[self.time_authority]
         if self.vendor == "postgresql":
             if self.cleanup_in_is_locked:
@@ -440,7 +445,7 @@ class DatabaseBackend(BaseLockBackend):
 
     # ---------------------------------------------------------------- lookup
     def _lookup_by_key(self, key: str, cancel: CancelToken | None) -> LockRecord | None:
-        return self._lookup("key", self.storage_keys(key)[0])
+        return self._lookup("key", self.storage_key(key))
 
     def _lookup_by_id(self, lock_id: str, cancel: CancelToken | None) -> LockRecord | None:
         return self._lookup("lock_id", lock_id)

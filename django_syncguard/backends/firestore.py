@@ -39,7 +39,7 @@ from ..fencing import FENCE_MAX, fence_overflow_error, format_fence
 from ..keys import generate_lock_id, hash_storage_key, make_storage_key
 from ..liveness import is_live
 from ..results import AcquireResult, ExtendResult, ReleaseResult
-from .base import BaseLockBackend, LockRecord
+from .base import BaseLockBackend, LockRecord, mapping_option
 
 logger = logging.getLogger("django_syncguard.backends.firestore")
 
@@ -153,10 +153,7 @@ class FirestoreBackend(BaseLockBackend):
             )
         self.project = self.options.get("PROJECT")
         self.database = self.options.get("DATABASE")
-        client_kwargs = self.options.get("CLIENT_KWARGS", {})
-        if not isinstance(client_kwargs, Mapping):
-            raise InvalidArgument("OPTIONS['CLIENT_KWARGS'] must be a dict.")
-        self._client_kwargs = dict(client_kwargs)
+        self._client_kwargs = mapping_option(self.options, "CLIENT_KWARGS")
         _firestore()  # fail at start-up, not at the first lock, when the extra is missing
         self._client: Any = None
         self._async: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Any] = (
@@ -228,9 +225,6 @@ class FirestoreBackend(BaseLockBackend):
 
         if isinstance(exc, LockError):
             return exc
-        if isinstance(exc, ValueError) and not isinstance(exc, GoogleAPIError):
-            # The library wraps some failures in ValueError; ours have no cause.
-            return map_firestore_error(exc.__cause__, self.alias) if exc.__cause__ else exc
         if isinstance(exc, GoogleAPIError) or type(exc).__module__.startswith(("google.", "grpc")):
             return map_firestore_error(exc, self.alias)
         return exc

@@ -40,7 +40,7 @@ from ..errors import (
 from ..fencing import FENCE_MAX, fence_overflow_error, format_fence
 from ..keys import generate_lock_id, make_storage_key
 from ..results import AcquireResult, ExtendResult, ReleaseResult
-from .base import BaseLockBackend, LockRecord
+from .base import BaseLockBackend, LockRecord, mapping_option, positive_int_option
 
 if TYPE_CHECKING:
     import redis
@@ -248,16 +248,10 @@ class RedisBackend(BaseLockBackend):
                 "KEY_PREFIX must not be empty for Redis: it keeps lock keys apart from "
                 "the lock-id index."
             )
-        max_connections = self.options.get("MAX_CONNECTIONS", DEFAULT_MAX_CONNECTIONS)
-        if (
-            isinstance(max_connections, bool)
-            or not isinstance(max_connections, int)
-            or (max_connections < 1)
-        ):
-            raise InvalidArgument("OPTIONS['MAX_CONNECTIONS'] must be a positive int.")
-        client_kwargs = self.options.get("CLIENT_KWARGS", {})
-        if not isinstance(client_kwargs, Mapping):
-            raise InvalidArgument("OPTIONS['CLIENT_KWARGS'] must be a dict.")
+        max_connections = positive_int_option(
+            self.options, "MAX_CONNECTIONS", DEFAULT_MAX_CONNECTIONS
+        )
+        client_kwargs = mapping_option(self.options, "CLIENT_KWARGS")
         redis_py = _redis()
         self._client_kwargs: dict[str, Any] = {
             "socket_connect_timeout": self.connect_timeout_ms / 1000,
