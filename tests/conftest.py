@@ -161,6 +161,9 @@ def no_io(backend, monkeypatch):
         "_ais_locked",
         "_alookup_by_key",
         "_alookup_by_id",
+        "_list_locks",
+        "_count_expired",
+        "_delete_expired",
     ):
         monkeypatch.setattr(backend, name, forbidden)
     return backend

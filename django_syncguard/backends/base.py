@@ -11,14 +11,15 @@ and sanitize lookups, so no backend repeats that logic.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+import unicodedata
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
 from asgiref.sync import sync_to_async
 
 from ..cancellation import CancelToken, check_cancel, validate_cancel
-from ..constants import DEFAULT_TTL_MS
+from ..constants import CLEANUP_GUARD_MS, DEFAULT_TTL_MS, MAX_KEY_LENGTH_BYTES
 from ..errors import Internal, InvalidArgument
 from ..fencing import check_fence
 from ..keys import hash_key, normalize_and_validate_key, validate_lock_id
@@ -68,6 +69,25 @@ class LockRecord:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class LockPage:
+    """One page of live locks, as the admin inspector shows them.
+
+    ``next_cursor`` is an opaque string for the following page (``None`` on the last
+    one); ``now_ms`` is the backend's clock when the page was read, so remaining TTLs
+    are computed against the time authority, not the web server's clock.
+    """
+
+    records: tuple[LockRecord, ...]
+    next_cursor: str | None
+    now_ms: int
+
+
+#: Largest page ``list_locks`` returns and largest ``delete_expired`` batch.
+MAX_PAGE_SIZE = 1_000
+MAX_BATCH_SIZE = 10_000
+
+
 def validate_ttl(ttl_ms: object) -> int:
     """Return ``ttl_ms`` if it is a positive int of at most ``MAX_TTL_MS``."""
     if isinstance(ttl_ms, bool) or not isinstance(ttl_ms, int):
@@ -75,6 +95,21 @@ def validate_ttl(ttl_ms: object) -> int:
     if not 0 < ttl_ms <= MAX_TTL_MS:
         raise InvalidArgument(f"ttl_ms must be between 1 and {MAX_TTL_MS}, not {ttl_ms}.")
     return ttl_ms
+
+
+def _validated_prefix(prefix: object) -> str:
+    if not isinstance(prefix, str):
+        raise InvalidArgument(f"prefix must be a str, not {type(prefix).__name__}.")
+    prefix = unicodedata.normalize("NFC", prefix)
+    if len(prefix.encode("utf-8", "surrogatepass")) > MAX_KEY_LENGTH_BYTES:
+        raise InvalidArgument(f"prefix must be at most {MAX_KEY_LENGTH_BYTES} bytes.")
+    return prefix
+
+
+def _validated_count(value: object, name: str, maximum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= maximum:
+        raise InvalidArgument(f"{name} must be an int between 1 and {maximum}, not {value!r}.")
+    return value
 
 
 def option_ms(options: Mapping[str, Any], name: str, default: int) -> int:
@@ -233,6 +268,65 @@ class BaseLockBackend:
         return self._checked_record(await self._alookup_by_id(value, cancel), lock_id=value)
 
     # ------------------------------------------------------------ housekeeping
+    def list_locks(
+        self, *, prefix: str = "", cursor: str | None = None, limit: int = 100
+    ) -> LockPage:
+        """One page of live locks whose key starts with ``prefix``.
+
+        Pages follow the storage order (key order, except on Redis whose SCAN order is
+        arbitrary); pass the returned ``next_cursor`` to get the next one. A page can
+        hold fewer than ``limit`` records before the end (locks expired meanwhile) and,
+        on Redis, somewhat more. For operators' tools: records carry raw keys and lock
+        ids, which must never be shown as they are.
+        """
+        prefix = _validated_prefix(prefix)
+        if cursor is not None and not isinstance(cursor, str):
+            raise InvalidArgument(f"cursor must be a str from a previous page, not {cursor!r}.")
+        limit = _validated_count(limit, "limit", MAX_PAGE_SIZE)
+        return self._list_locks(prefix, cursor, limit)
+
+    async def alist_locks(
+        self, *, prefix: str = "", cursor: str | None = None, limit: int = 100
+    ) -> LockPage:
+        return await self._in_thread(
+            lambda: self.list_locks(prefix=prefix, cursor=cursor, limit=limit)
+        )
+
+    def delete_expired(self, *, batch_size: int = 500, dry_run: bool = False) -> Iterator[int]:
+        """Delete lock records expired longer ago than the cleanup guard; yield the
+        number deleted by each batch (with ``dry_run``: yield once, the number that
+        would be deleted, and write nothing).
+
+        Fence counters are never deleted. Safe beside live traffic: a record is only
+        deleted if it is still expired by more than the guard at the moment of the
+        delete, so no lock that could still be extended or re-acquired is touched.
+        """
+        batch_size = _validated_count(batch_size, "batch_size", MAX_BATCH_SIZE)
+        if not isinstance(dry_run, bool):
+            raise InvalidArgument("dry_run must be True or False.")
+        if dry_run:
+            yield self._count_expired()
+            return
+        yield from self._delete_expired(batch_size)
+
+    def force_release(self, key: str, lock_id_hash: str) -> ReleaseResult:
+        """Release ``key``'s lock for its holder, if it is still the lock whose lock
+        id hashes to ``lock_id_hash`` (what an operator saw in the inspector).
+
+        An operator's tool: the holder is not told and its fenced writes keep being
+        accepted until someone else takes the lock and writes with a newer fence.
+        """
+        key = normalize_and_validate_key(key)
+        if not isinstance(lock_id_hash, str):
+            raise InvalidArgument("lock_id_hash must be the str shown by the inspector.")
+        record = self._lookup_by_key(key, None)
+        if record is None or record.key != key or hash_key(record.lock_id) != lock_id_hash:
+            return ReleaseResult(ok=False, reason="not-found")
+        return self.release(record.lock_id)
+
+    async def aforce_release(self, key: str, lock_id_hash: str) -> ReleaseResult:
+        return await self._in_thread(self.force_release, key, lock_id_hash)
+
     def check(self, **kwargs: Any) -> list[Any]:
         """System-check messages about this alias's configuration (no I/O)."""
         return []
@@ -245,6 +339,21 @@ class BaseLockBackend:
         """Release connections; the handler calls it when settings change."""
 
     # ------------------------------------------------------------ storage I/O
+    def _list_locks(self, prefix: str, cursor: str | None, limit: int) -> LockPage:
+        raise NotImplementedError
+
+    def _count_expired(self) -> int:
+        raise NotImplementedError
+
+    def _delete_expired(self, batch_size: int) -> Iterator[int]:
+        """Batches until one deletes nothing (a backend may override the iteration)."""
+        while deleted := self._delete_expired_batch(batch_size):
+            yield deleted
+
+    def _delete_expired_batch(self, batch_size: int) -> int:
+        """Delete at most ``batch_size`` records past the guard; return how many."""
+        raise NotImplementedError
+
     def _acquire(self, key: str, ttl_ms: int, cancel: CancelToken | None) -> AcquireResult:
         raise NotImplementedError
 
@@ -287,6 +396,10 @@ class BaseLockBackend:
         return await sync_to_async(fn, thread_sensitive=True)(*args)
 
     # ------------------------------------------------------------ shared checks
+    def _cleanup_cutoff(self, now_ms: int) -> int:
+        """Records that expired before this instant may be deleted by cleanup."""
+        return now_ms - CLEANUP_GUARD_MS[self.time_authority]
+
     def _key_args(
         self, key: Any, cancel: Any, ttl_ms: Any = _NO_TTL
     ) -> tuple[str, int, CancelToken | None]:

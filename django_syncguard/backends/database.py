@@ -47,7 +47,7 @@ from ..fencing import FENCE_MAX, fence_overflow_error, format_fence
 from ..keys import generate_lock_id, make_fence_key, make_storage_key
 from ..liveness import is_live, system_clock_ms
 from ..results import AcquireResult, ExtendResult, ReleaseResult
-from .base import BaseLockBackend, LockRecord
+from .base import BaseLockBackend, LockPage, LockRecord
 
 logger = logging.getLogger("django_syncguard.backends.database")
 
@@ -94,6 +94,39 @@ PG_LOOKUP = (
 )
 
 PG_NOW = f"SELECT {PG_NOW_MS}"
+
+# Housekeeping (admin inspector, syncguard_cleanup) ----------------------------------
+# One page of live locks in key order (keyset pagination on the primary key index, so
+# a page costs the same at the start and deep into 100,000 locks). The prefix test is
+# an exact substring comparison: LIKE would need escaping and, on SQLite, ignores case.
+LIST_PAGE = (
+    f"SELECT {LOCK_COLUMNS} FROM syncguard_locks "
+    "WHERE key > %s AND expires_at_ms > %s "
+    "AND (substr(key, 1, %s) = %s OR substr(user_key, 1, %s) = %s) "
+    "ORDER BY key LIMIT %s"
+)
+COUNT_EXPIRED = "SELECT count(*) FROM syncguard_locks WHERE expires_at_ms < %s"
+
+# Deletes one batch of records expired before the cutoff. On PostgreSQL each doomed
+# key's advisory lock is tried first (the one syncguard_acquire takes): a key being
+# acquired right now is skipped, so acquire never sees its expired row vanish between
+# its read and its write. The outer condition re-checks expiry at delete time.
+PG_DELETE_EXPIRED = f"""
+WITH t AS (SELECT {PG_NOW_MS} - %s AS cutoff),
+doomed AS (
+    SELECT c.key FROM (
+        SELECT l.key FROM syncguard_locks l, t WHERE l.expires_at_ms < t.cutoff
+        ORDER BY l.expires_at_ms LIMIT %s OFFSET 0
+    ) c
+    WHERE pg_try_advisory_xact_lock(1937337447, hashtext(c.key))
+)
+DELETE FROM syncguard_locks l USING t
+WHERE l.key IN (SELECT key FROM doomed) AND l.expires_at_ms < t.cutoff
+"""
+LITE_DELETE_EXPIRED = (
+    "DELETE FROM syncguard_locks WHERE key IN (SELECT key FROM syncguard_locks "
+    "WHERE expires_at_ms < %s ORDER BY expires_at_ms LIMIT %s) AND expires_at_ms < %s"
+)
 
 # SQLite ---------------------------------------------------------------------------
 # Time is the machine's clock, passed in; writers are serialised by SQLite's
@@ -459,16 +492,30 @@ class DatabaseBackend(BaseLockBackend):
             row = self._run(lambda c: _fetch_row(c, LITE_LOOKUP.format(column=column), [value]))
             if row is not None and not is_live(int(row[2]), now, TIME_TOLERANCE_MS):
                 row = None
-        if row is None:
-            return None
-        storage_key, lock_id, expires, acquired, fence, user_key = row
-        return LockRecord(
-            key=user_key if user_key is not None else storage_key,
-            lock_id=lock_id,
-            expires_at_ms=int(expires),
-            acquired_at_ms=int(acquired),
-            fence=fence,
-        )
+        return None if row is None else _record(row)
+
+    # ---------------------------------------------------------- housekeeping
+    def _list_locks(self, prefix: str, cursor: str | None, limit: int) -> LockPage:
+        now = self.now_ms()
+        size = len(prefix)
+        params = [cursor or "", now - TIME_TOLERANCE_MS, size, prefix, size, prefix, limit + 1]
+        rows = self._run(lambda c: _fetch_all(c, LIST_PAGE, params))
+        records = tuple(_record(row) for row in rows[:limit])
+        more = len(rows) > limit
+        return LockPage(records, rows[limit - 1][0] if more else None, now)
+
+    def _count_expired(self) -> int:
+        cutoff = self._cleanup_cutoff(self.now_ms())
+        return int(self._run(lambda c: _fetch_value(c, COUNT_EXPIRED, [cutoff])))
+
+    def _delete_expired_batch(self, batch_size: int) -> int:
+        if self.vendor == "postgresql":
+            params: list[Any] = [CLEANUP_GUARD_MS["server"], batch_size]
+            sql = PG_DELETE_EXPIRED
+        else:
+            cutoff = self._cleanup_cutoff(self.clock())
+            params, sql = [cutoff, batch_size, cutoff], LITE_DELETE_EXPIRED
+        return int(self._run(lambda c: _row_count(c, sql, params)))
 
     # Async: the private connections are per thread, so any worker thread will do.
     async def _in_thread(self, fn: Callable[..., T], *args: Any) -> T:
@@ -484,6 +531,27 @@ def _close_quietly(wrapper: BaseDatabaseWrapper) -> None:
         wrapper.inc_thread_sharing()
     with suppress(Exception):
         wrapper.close()
+
+
+def _record(row: Any) -> LockRecord:
+    storage_key, lock_id, expires, acquired, fence, user_key = row
+    return LockRecord(
+        key=user_key if user_key is not None else storage_key,
+        lock_id=lock_id,
+        expires_at_ms=int(expires),
+        acquired_at_ms=int(acquired),
+        fence=fence,
+    )
+
+
+def _fetch_all(cursor: Any, sql: str, params: list[Any]) -> list[Any]:
+    cursor.execute(sql, params)
+    return list(cursor.fetchall())
+
+
+def _row_count(cursor: Any, sql: str, params: list[Any]) -> int:
+    cursor.execute(sql, params)
+    return int(cursor.rowcount)
 
 
 def _fetch_row(cursor: Any, sql: str, params: list[Any]) -> Any:

@@ -20,6 +20,7 @@ import logging
 import re
 import weakref
 from collections.abc import Awaitable, Callable, Mapping
+from functools import partial
 from typing import Any, ClassVar, TypeVar
 
 from django.core.exceptions import ImproperlyConfigured
@@ -39,7 +40,7 @@ from ..fencing import FENCE_MAX, fence_overflow_error, format_fence
 from ..keys import generate_lock_id, hash_storage_key, make_storage_key
 from ..liveness import is_live
 from ..results import AcquireResult, ExtendResult, ReleaseResult
-from .base import BaseLockBackend, LockRecord, mapping_option
+from .base import BaseLockBackend, LockPage, LockRecord, mapping_option
 
 logger = logging.getLogger("django_syncguard.backends.firestore")
 
@@ -53,6 +54,11 @@ _MS = dt.timedelta(milliseconds=1)
 #: Attempts of a release or extend whose guarded write found the lock changed since
 #: its read (e.g. renewed by auto-extend at that instant). Each starts over.
 CONFLICT_ATTEMPTS = 5
+
+#: Above every character in Firestore's (UTF-8 byte) string order: the end of a prefix range.
+_LAST_CHAR = "\U0010ffff"
+#: Queries one inspector page may make while skipping expired documents.
+_READS_PER_PAGE = 5
 
 _COLLECTION_ID = re.compile(r"[^/]+")
 _RESERVED_ID = re.compile(r"__.*__", re.DOTALL)
@@ -213,10 +219,8 @@ class FirestoreBackend(BaseLockBackend):
         )
 
     def _by_lock_id(self, lock_id: str, client: Any = None) -> Any:
-        from google.cloud.firestore_v1.base_query import FieldFilter
-
         # No limit: duplicates must be seen to be handled (ADR-014).
-        return self._locks(client).where(filter=FieldFilter("lockId", "==", lock_id))
+        return self._locks(client).where(filter=_field("lockId", "==", lock_id))
 
     # ---------------------------------------------------------------- errors
     def _mapped(self, exc: Exception) -> Exception:
@@ -522,6 +526,60 @@ class FirestoreBackend(BaseLockBackend):
         query = self._by_lock_id(lock_id, self.aclient())
         return self._one_live(await self._acall(_collect(query.stream())), lock_id)
 
+    # ---------------------------------------------------------- housekeeping
+    def _list_locks(self, prefix: str, cursor: str | None, limit: int) -> LockPage:
+        # Key order (the automatic single-field index on ``key``); expired documents
+        # are skipped by Firestore's own clock, which may take a few reads to fill a page.
+        query = self._locks().order_by("key")
+        if prefix:
+            query = query.where(filter=_field("key", ">=", prefix)).where(
+                filter=_field("key", "<", prefix + _LAST_CHAR)
+            )
+        records: list[LockRecord] = []
+        now: int | None = None
+        for _ in range(_READS_PER_PAGE):
+            page = query.start_after({"key": cursor}) if cursor is not None else query
+            wanted = limit + 1 - len(records)  # one more: is there a next page?
+            snaps: list[Any] = self._call(partial(_streamed, page.limit(wanted)))
+            for snap in snaps:
+                now = server_ms(snap.read_time)
+                if len(records) == limit:  # a further document: the page is full
+                    return LockPage(tuple(records), cursor, now)
+                cursor = snap.get("key")
+                if self._live(snap, now):
+                    records.append(self._record(snap))
+            if len(snaps) < wanted:
+                cursor = None  # the end of the collection
+                break
+        return LockPage(tuple(records), cursor, now if now is not None else self.now_ms())
+
+    def _expired_query(self, cutoff: int) -> Any:
+        return self._locks().where(filter=_field("expiresAtMs", "<", cutoff))
+
+    def _count_expired(self) -> int:
+        query = self._expired_query(self._cleanup_cutoff(self.now_ms()))
+        result = self._call(lambda: query.count().get())
+        return int(result[0][0].value)
+
+    def _delete_expired_batch(self, batch_size: int) -> int:
+        query = self._expired_query(self._cleanup_cutoff(self.now_ms())).limit(batch_size)
+        snaps = self._call(lambda: list(query.stream()))
+        if not snaps:
+            return 0
+        batch = self.client.batch()
+        for snap in snaps:
+            batch.delete(snap.reference, **self._unchanged(snap))
+        if self._commit(batch):
+            return len(snaps)
+        # One document changed since the query (re-acquired): the batch wrote nothing.
+        # Delete one by one, each only if still as read.
+        deleted = 0
+        for snap in snaps:
+            single = self.client.batch()
+            single.delete(snap.reference, **self._unchanged(snap))
+            deleted += self._commit(single)
+        return deleted
+
     def now_ms(self) -> int:
         """Firestore's clock: the read time of a (missing) document."""
         snap = self._call(lambda: self._locks().document("syncguard-clock").get())
@@ -537,6 +595,16 @@ class FirestoreBackend(BaseLockBackend):
                 I020.format(alias=self.alias, collection=self.collection), id="syncguard.I020"
             )
         ]
+
+
+def _streamed(query: Any) -> list[Any]:
+    return list(query.stream())
+
+
+def _field(name: str, op: str, value: Any) -> Any:
+    from google.cloud.firestore_v1.base_query import FieldFilter
+
+    return FieldFilter(name, op, value)
 
 
 def _bound_every_call(client: Any, timeout_s: float, *, asynchronous: bool = False) -> None:

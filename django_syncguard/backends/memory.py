@@ -19,13 +19,13 @@ from typing import Any, ClassVar
 from django.utils.module_loading import import_string
 
 from ..cancellation import CancelToken, check_cancel
-from ..constants import CLEANUP_GUARD_MS, TIME_TOLERANCE_MS
+from ..constants import TIME_TOLERANCE_MS
 from ..errors import InvalidArgument
 from ..fencing import FENCE_MAX, fence_overflow_error, format_fence
 from ..keys import generate_lock_id
 from ..liveness import Clock, is_live, system_clock_ms
 from ..results import AcquireResult, ExtendResult, ReleaseResult
-from .base import BaseLockBackend, LockRecord
+from .base import BaseLockBackend, LockPage, LockRecord
 
 
 @dataclass
@@ -154,7 +154,37 @@ class MemoryBackend(BaseLockBackend):
 
     def _sweepable(self, record: LockRecord, now: int) -> bool:
         """Expired by more than the cleanup guard: no extend can still be racing it."""
-        return now - record.expires_at_ms > CLEANUP_GUARD_MS[self.time_authority]
+        return record.expires_at_ms < self._cleanup_cutoff(now)
+
+    def _list_locks(self, prefix: str, cursor: str | None, limit: int) -> LockPage:
+        with self._store.mutex:
+            now = self.clock()
+            keys = sorted(
+                key
+                for key, record in self._store.locks.items()
+                if key.startswith(prefix)
+                and (cursor is None or key > cursor)
+                and is_live(record.expires_at_ms, now, TIME_TOLERANCE_MS)
+            )
+            records = tuple(self._store.locks[key] for key in keys[:limit])
+        more = len(keys) > limit
+        return LockPage(records, records[-1].key if more else None, now)
+
+    def _expired(self, now: int) -> list[LockRecord]:
+        cutoff = self._cleanup_cutoff(now)
+        return [r for r in self._store.locks.values() if r.expires_at_ms < cutoff]
+
+    def _count_expired(self) -> int:
+        with self._store.mutex:
+            return len(self._expired(self.clock()))
+
+    def _delete_expired_batch(self, batch_size: int) -> int:
+        with self._store.mutex:
+            doomed = self._expired(self.clock())[:batch_size]
+            for record in doomed:
+                del self._store.locks[record.key]
+                self._store.index.pop(record.lock_id, None)
+            return len(doomed)
 
     def _lookup_by_key(self, key: str, cancel: CancelToken | None) -> LockRecord | None:
         with self._store.mutex:

@@ -21,9 +21,10 @@ can land on another key's counter either. See ``specs/backends/redis.md``.
 from __future__ import annotations
 
 import asyncio
+import re
 import weakref
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, ClassVar
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 from django.core.exceptions import ImproperlyConfigured
 
@@ -40,7 +41,14 @@ from ..errors import (
 from ..fencing import FENCE_MAX, fence_overflow_error, format_fence
 from ..keys import generate_lock_id, make_storage_key
 from ..results import AcquireResult, ExtendResult, ReleaseResult
-from .base import BaseLockBackend, LockRecord, mapping_option, positive_int_option
+from .base import (
+    MAX_PAGE_SIZE,
+    BaseLockBackend,
+    LockPage,
+    LockRecord,
+    mapping_option,
+    positive_int_option,
+)
 
 if TYPE_CHECKING:
     import redis
@@ -172,6 +180,48 @@ return {lock, cur[1], cur[2], cur[3], cur[4], cur[5] or ''}
 """
 )
 
+#: KEYS: lock hashes found by one SCAN. ARGV: tolerance ms.
+#: Returns {now, name, i, e, a, f, k, name, i, ...} for the live locks among them.
+LIST_LIVE = (
+    _NOW
+    + """
+local out = {now}
+for _, name in ipairs(KEYS) do
+  local cur = redis.call('HMGET', name, 'i', 'e', 'a', 'f', 'k')
+  if cur[1] and tonumber(cur[2]) > now - tonumber(ARGV[1]) then
+    table.insert(out, name)
+    for j = 1, 4 do table.insert(out, cur[j]) end
+    table.insert(out, cur[5] or '')
+  end
+end
+return out
+"""
+)
+
+#: KEYS: lock hashes found by one SCAN. ARGV: cleanup guard ms, 1 to only count.
+#: Removes the lock fields (never the fence) of locks expired longer ago than the
+#: guard, as IS_LOCKED's cleanup does; returns how many.
+DELETE_EXPIRED = (
+    _NOW
+    + """
+local n = 0
+for _, name in ipairs(KEYS) do
+  local cur = redis.call('HMGET', name, 'i', 'e')
+  if cur[1] and tonumber(cur[2]) < now - tonumber(ARGV[1]) then
+    n = n + 1
+    if ARGV[2] ~= '1' then
+      redis.call('HDEL', name, 'i', 'e', 'a', 'k')
+    end
+  end
+end
+return n
+"""
+)
+
+#: SCAN calls one inspector page may make before it returns what it found so far:
+#: a namespace with many released keys (fence-only hashes) must not stall the page.
+MAX_SCANS_PER_PAGE = 20
+
 SCRIPTS = {
     "acquire": ACQUIRE,
     "release": RELEASE,
@@ -179,6 +229,8 @@ SCRIPTS = {
     "is_locked": IS_LOCKED,
     "lookup_by_key": LOOKUP_BY_KEY,
     "lookup_by_id": LOOKUP_BY_ID,
+    "list_live": LIST_LIVE,
+    "delete_expired": DELETE_EXPIRED,
 }
 
 # Server replies that mean "not now" rather than "wrong".
@@ -194,6 +246,14 @@ _UNAVAILABLE_REPLIES = (
     "MISCONF",
 )
 _AUTH_REPLIES = ("NOAUTH", "WRONGPASS", "NOPERM")
+
+
+_GLOB_SPECIAL = re.compile(r"([\\*?\[\]])")
+
+
+def _glob_escape(text: str) -> str:
+    """``text`` as a literal inside a Redis glob pattern."""
+    return _GLOB_SPECIAL.sub(r"\\\1", text)
 
 
 def _redis() -> Any:
@@ -436,6 +496,55 @@ class RedisBackend(BaseLockBackend):
         args = [lock_id, TIME_TOLERANCE_MS]
         reply = await self._acall("lookup_by_id", [self.index_key(lock_id)], args)
         return self._record_by_id(reply)
+
+    # ---------------------------------------------------------- housekeeping
+    def _scan(self, cursor: int, match: str, count: int) -> tuple[int, list[bytes]]:
+        try:
+            next_cursor, names = self.client.scan(cursor, match=match, count=count, _type="hash")
+        except self._redis_error() as exc:
+            raise map_redis_error(exc, self.alias) from exc
+        return int(next_cursor), cast(list[bytes], names)
+
+    def _pattern(self, prefix: str = "") -> str:
+        """SCAN pattern of the lock hashes whose (unhashed) key starts with ``prefix``."""
+        return f"{_glob_escape(self.prefix)}:{_glob_escape(prefix)}*"
+
+    def _list_locks(self, prefix: str, cursor: str | None, limit: int) -> LockPage:
+        if cursor is not None and not cursor.isdigit():
+            raise InvalidArgument("cursor is not one this backend returned.")
+        position, match = int(cursor or 0), self._pattern(prefix)
+        records: list[LockRecord] = []
+        now = None
+        for _ in range(MAX_SCANS_PER_PAGE):
+            position, names = self._scan(position, match, limit)
+            if names:
+                reply = self._call("list_live", [n.decode() for n in names], [TIME_TOLERANCE_MS])
+                now = int(reply[0])
+                rows = reply[1:]
+                for j in range(0, len(rows), 6):
+                    records.append(self._record(*rows[j : j + 6]))
+            if position == 0 or len(records) >= limit:
+                break
+        return LockPage(tuple(records), str(position) if position else None, now or self.now_ms())
+
+    def _expired_in_namespace(self, batch_size: int, dry_run: bool) -> Iterator[int]:
+        position, match = 0, self._pattern()
+        guard, flag = CLEANUP_GUARD_MS["server"], "1" if dry_run else "0"
+        while True:
+            position, names = self._scan(position, match, batch_size)
+            if names:
+                keys = [n.decode() for n in names]
+                yield int(self._call("delete_expired", keys, [guard, flag]))
+            if position == 0:
+                return
+
+    def _count_expired(self) -> int:
+        return sum(self._expired_in_namespace(MAX_PAGE_SIZE, dry_run=True))
+
+    def _delete_expired(self, batch_size: int) -> Iterator[int]:
+        # One pass over the namespace (SCAN, never KEYS): batches are what one SCAN
+        # call returns, so a batch may delete nothing while later ones do.
+        return self._expired_in_namespace(batch_size, dry_run=False)
 
     # ---------------------------------------------------------------- checks
     def now_ms(self) -> int:
