@@ -25,6 +25,12 @@ class Harness:
     #: What the backend must declare.
     capabilities: ClassVar[Capabilities]
     backend: BaseLockBackend
+    #: The ``SYNCGUARD_BACKENDS`` entry that builds a backend on the same storage.
+    settings_entry: dict[str, object]
+
+    def build(self, alias: str, params: dict[str, object], cls: type[BaseLockBackend]) -> None:
+        self.backend = cls(alias, params)
+        self.settings_entry = {"BACKEND": f"{cls.__module__}.{cls.__name__}", **params}
 
     def now_ms(self) -> int:
         """The backend's time authority, now."""
@@ -48,9 +54,9 @@ class MemoryHarness(Harness):
 
     def __init__(self, **options: object) -> None:
         self.clock = FakeClock()
-        self.backend = MemoryBackend(
-            f"contract-{uuid.uuid4().hex}", {"OPTIONS": {"CLOCK": self.clock, **options}}
-        )
+        store = f"contract-{uuid.uuid4().hex}"
+        params = {"LOCATION": store, "OPTIONS": {"CLOCK": self.clock, **options}}
+        self.build(store, params, MemoryBackend)
 
     def now_ms(self) -> int:
         return self.clock()
@@ -73,9 +79,8 @@ class DatabaseHarness(Harness):
     database: ClassVar[str]
 
     def __init__(self, **options: object) -> None:
-        self.backend = DatabaseBackend(
-            f"contract-{self.name}", {"OPTIONS": {"DATABASE": self.database, **options}}
-        )
+        params = {"OPTIONS": {"DATABASE": self.database, **options}}
+        self.build(f"contract-{self.name}", params, DatabaseBackend)
 
     def now_ms(self) -> int:
         assert isinstance(self.backend, DatabaseBackend)
@@ -129,10 +134,8 @@ class RedisHarness(Harness):
 
     def __init__(self, **options: object) -> None:
         self.prefix = f"sg{uuid.uuid4().hex[:12]}"
-        self.backend = RedisBackend(
-            f"contract-{self.prefix}",
-            {"LOCATION": self.url, "KEY_PREFIX": self.prefix, "OPTIONS": dict(options)},
-        )
+        params = {"LOCATION": self.url, "KEY_PREFIX": self.prefix, "OPTIONS": dict(options)}
+        self.build(f"contract-{self.prefix}", params, RedisBackend)
 
     @property
     def redis(self) -> RedisBackend:
@@ -164,17 +167,13 @@ class FirestoreHarness(Harness):
 
     def __init__(self, **options: object) -> None:
         suffix = uuid.uuid4().hex[:12]
-        self.backend = FirestoreBackend(
-            f"contract-{suffix}",
-            {
-                "OPTIONS": {
-                    "PROJECT": self.project,
-                    "COLLECTION": f"locks_{suffix}",
-                    "FENCE_COLLECTION": f"fences_{suffix}",
-                    **options,
-                }
-            },
-        )
+        options = {
+            "PROJECT": self.project,
+            "COLLECTION": f"locks_{suffix}",
+            "FENCE_COLLECTION": f"fences_{suffix}",
+            **options,
+        }
+        self.build(f"contract-{suffix}", {"OPTIONS": options}, FirestoreBackend)
 
     @property
     def firestore(self) -> FirestoreBackend:

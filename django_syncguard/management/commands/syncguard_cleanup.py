@@ -1,0 +1,112 @@
+"""``manage.py syncguard_cleanup``: delete expired lock records, never fence counters.
+
+Safe to run from cron while locks are taken and released: each backend deletes only
+records expired longer ago than its cleanup guard (see ``delete_expired``).
+"""
+
+from __future__ import annotations
+
+from argparse import ArgumentTypeError
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+
+from ...backends.base import MAX_BATCH_SIZE, BaseLockBackend
+from ...constants import CLEANUP_GUARD_MS
+from ...errors import LockError
+from ...handler import InvalidBackendError, locks
+
+DEFAULT_BATCH_SIZE = 500
+
+
+def batch_size(value: str) -> int:
+    """argparse type: an int between 1 and MAX_BATCH_SIZE."""
+    try:
+        number = int(value)
+    except ValueError:
+        number = 0
+    if not 0 < number <= MAX_BATCH_SIZE:
+        raise ArgumentTypeError(f"must be an integer between 1 and {MAX_BATCH_SIZE}, not {value!r}")
+    return number
+
+
+class Command(BaseCommand):
+    help = (
+        "Delete expired lock records (never fence counters) from every lock backend, "
+        "or from the ones named with --backend."
+    )
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument(
+            "--backend",
+            action="append",
+            dest="aliases",
+            metavar="ALIAS",
+            help="A SYNCGUARD_BACKENDS alias to clean (repeatable; default: all).",
+        )
+        parser.add_argument(
+            "--dry-run",
+            action="store_true",
+            help="Count the records that would be deleted; delete nothing.",
+        )
+        parser.add_argument(
+            "--batch-size",
+            type=batch_size,
+            default=DEFAULT_BATCH_SIZE,
+            help=f"Records deleted per statement or round trip (default {DEFAULT_BATCH_SIZE}).",
+        )
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        aliases: list[str] = options["aliases"] or list(locks)
+        unknown = [alias for alias in aliases if alias not in list(locks)]
+        if unknown:
+            raise CommandError(
+                f"Unknown lock backend alias {', '.join(map(repr, unknown))}; "
+                f"configured: {', '.join(locks)}."
+            )
+        for alias in dict.fromkeys(aliases):  # each alias once, in the order given
+            self.clean(alias, options["dry_run"], options["batch_size"], options["verbosity"])
+
+    def clean(self, alias: str, dry_run: bool, size: int, verbosity: int) -> None:
+        try:
+            backend = locks[alias]
+        except (InvalidBackendError, LockError) as exc:
+            raise CommandError(f"{alias}: the backend cannot be used: {exc}") from exc
+        if verbosity >= 2:
+            self.stdout.write(describe(alias, backend, dry_run))
+        progress = self.stdout.isatty() and verbosity >= 1 and not dry_run
+        total = 0
+        try:
+            for number, count in enumerate(
+                backend.delete_expired(batch_size=size, dry_run=dry_run), 1
+            ):
+                total += count
+                if verbosity >= 3:
+                    self.stdout.write(f"{alias}: batch {number}: {count}")
+                elif progress:
+                    self.stdout.write(f"\r{alias}: {total} deleted so far", ending="")
+                    self.stdout.flush()
+        except LockError as exc:
+            if progress:
+                self.stdout.write("")
+            raise CommandError(f"{alias}: cleanup failed ({exc.code}): {exc}") from exc
+        if progress:
+            self.stdout.write("\r", ending="")
+        if verbosity >= 1:
+            self.stdout.write(summary(alias, total, dry_run))
+
+
+def describe(alias: str, backend: BaseLockBackend, dry_run: bool) -> str:
+    guard = CLEANUP_GUARD_MS[backend.time_authority]
+    verb = "counting" if dry_run else "deleting"
+    return (
+        f"{alias} ({backend.capabilities.backend}, {backend.time_authority} time): {verb} "
+        f"lock records expired more than {guard} ms ago; fence counters are kept."
+    )
+
+
+def summary(alias: str, total: int, dry_run: bool) -> str:
+    noun = "record" if total == 1 else "records"
+    if dry_run:
+        return f"{alias}: {total} expired lock {noun} would be deleted (dry run)."
+    return f"{alias}: deleted {total} expired lock {noun}."
