@@ -7,6 +7,11 @@ renews itself in the background every third of its TTL. A lease whose lock is go
 (a renewal or explicit extend found it expired, or it had expired by release time)
 is *lost*: ``lease.lost`` is true and a warning is logged. Writes guarded by its
 fence will then be rejected by :func:`~django_syncguard.fencing.fenced_update`.
+
+Each step sends its signal from :mod:`django_syncguard.signals` (acquired,
+contended, extended, lost, released). The state changes are synchronous code
+shared by both paths; they return the signals due and the sync or async caller
+sends them.
 """
 
 from __future__ import annotations
@@ -21,6 +26,9 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
+from django.dispatch import Signal
+
+from . import signals
 from .backends.base import BaseLockBackend, validate_ttl
 from .cancellation import CancelToken, validate_cancel
 from .constants import DEFAULT_TTL_MS
@@ -28,6 +36,7 @@ from .errors import InvalidArgument, LockError
 from .keys import hash_key, normalize_and_validate_key
 from .results import AcquireResult, ExtendResult, ReleaseResult
 from .retry import Backoff, Jitter, RetryPolicy, aacquire_with_retry, acquire_with_retry
+from .signals import Outgoing
 
 logger = logging.getLogger("django_syncguard.leases")
 
@@ -62,6 +71,8 @@ class Lease:
         self._deadline = time.monotonic() + ttl_ms / 1000
         self._renewer: _ThreadRenewer | None = None
         self._arenewer: asyncio.Task[None] | None = None
+        # True while the renewal task sleeps: the only moment a release may cancel it.
+        self._arenewer_idle = False
 
     def __repr__(self) -> str:
         state = "released" if self._released else "lost" if self._lost else "held"
@@ -80,19 +91,25 @@ class Lease:
     def extend(self, ttl_ms: int | None = None) -> ExtendResult:
         """Reset the expiry to now + ``ttl_ms`` (default: the lease's TTL)."""
         ttl = validate_ttl(self.ttl_ms if ttl_ms is None else ttl_ms)
-        return self._extended(self.backend.extend(self.lock_id, ttl), ttl)
+        result = self.backend.extend(self.lock_id, ttl)
+        signals.send(self._extended(result, ttl))
+        return result
 
     async def aextend(self, ttl_ms: int | None = None) -> ExtendResult:
         ttl = validate_ttl(self.ttl_ms if ttl_ms is None else ttl_ms)
-        return self._extended(await self.backend.aextend(self.lock_id, ttl), ttl)
+        result = await self.backend.aextend(self.lock_id, ttl)
+        await signals.asend(self._extended(result, ttl))
+        return result
 
-    def _extended(self, result: ExtendResult, ttl_ms: int) -> ExtendResult:
+    def _extended(self, result: ExtendResult, ttl_ms: int) -> list[Outgoing]:
+        """Record an extend's outcome; return the signals it calls for."""
         if result.ok and result.expires_at_ms is not None:
             self.expires_at_ms = result.expires_at_ms
             self._deadline = time.monotonic() + ttl_ms / 1000
-        elif not self._released:
-            self._mark_lost("the lock had expired when extending it")
-        return result
+            return self._signal(signals.lock_extended, expires_at_ms=result.expires_at_ms)
+        if not self._released:
+            return self._mark_lost("the lock had expired when extending it", reason="expired")
+        return []
 
     # ----------------------------------------------------------------- release
     def release(self) -> ReleaseResult:
@@ -101,17 +118,20 @@ class Lease:
             return ReleaseResult(ok=False)
         if self._renewer is not None:
             self._renewer.stop()
-        return self._released_result(self.backend.release(self.lock_id))
+        result = self.backend.release(self.lock_id)
+        signals.send(self._released_result(result))
+        return result
 
     async def arelease(self) -> ReleaseResult:
         if not self._begin_release():
             return ReleaseResult(ok=False)
         if self._arenewer is not None:
-            self._arenewer.cancel()
-            await asyncio.gather(self._arenewer, return_exceptions=True)
+            await self._stop_arenewer(self._arenewer)
         if self._renewer is not None:
             await asyncio.to_thread(self._renewer.stop)
-        return self._released_result(await self.backend.arelease(self.lock_id))
+        result = await self.backend.arelease(self.lock_id)
+        await signals.asend(self._released_result(result))
+        return result
 
     def _begin_release(self) -> bool:
         with self._mutex:
@@ -119,10 +139,12 @@ class Lease:
             self._released = True
         return first
 
-    def _released_result(self, result: ReleaseResult) -> ReleaseResult:
+    def _released_result(self, result: ReleaseResult) -> list[Outgoing]:
+        """Record a release's outcome; return the signals it calls for (lost first)."""
+        lost = []
         if not result.ok:
-            self._mark_lost("the lock had expired before it was released")
-        return result
+            lost = self._mark_lost("the lock had expired before it was released", reason="expired")
+        return [*lost, *self._signal(signals.lock_released, ok=result.ok)]
 
     # ----------------------------------------------------------------- renewal
     def start_renewal(self, *, asynchronous: bool = False) -> None:
@@ -134,52 +156,79 @@ class Lease:
             self._renewer = _ThreadRenewer(self, interval)
             self._renewer.start()
 
-    def _renew_outcome(self, result: ExtendResult | None, error: LockError | None) -> bool:
-        """Record one renewal; return whether to keep renewing."""
+    def _renew_outcome(
+        self, result: ExtendResult | None, error: LockError | None
+    ) -> tuple[bool, list[Outgoing]]:
+        """Record one renewal; return whether to keep renewing and the signals due."""
         if self._released:
-            return False
+            return False, []
         if error is None and result is not None:
-            self._extended(result, self.ttl_ms)
-            return result.ok
+            return result.ok, self._extended(result, self.ttl_ms)
         if time.monotonic() >= self._deadline:
-            self._mark_lost(f"renewal kept failing ({error.code if error else '?'}) until expiry")
-            return False
+            why = f"renewal kept failing ({error.code if error else '?'}) until expiry"
+            return False, self._mark_lost(why, reason="error")
         logger.warning(
             "Renewing the lock on key %s failed (%s); retrying.",
             hash_key(self.key),
             error.code if error else "?",
         )
-        return True
+        return True, []
 
     def _renew_once(self) -> bool:
         try:
-            return self._renew_outcome(self.backend.extend(self.lock_id, self.ttl_ms), None)
+            keep, due = self._renew_outcome(self.backend.extend(self.lock_id, self.ttl_ms), None)
         except LockError as exc:
-            return self._renew_outcome(None, exc)
+            keep, due = self._renew_outcome(None, exc)
+        signals.send(due)
+        return keep
 
     async def _arenew(self, interval: float) -> None:
-        while True:
+        while not self._released:
+            self._arenewer_idle = True
             await asyncio.sleep(interval)
+            self._arenewer_idle = False
             try:
                 result = await self.backend.aextend(self.lock_id, self.ttl_ms)
-                keep = self._renew_outcome(result, None)
+                keep, due = self._renew_outcome(result, None)
             except LockError as exc:
-                keep = self._renew_outcome(None, exc)
+                keep, due = self._renew_outcome(None, exc)
+            await signals.asend(due)
             if not keep:
                 return
 
-    def _mark_lost(self, why: str) -> None:
+    async def _stop_arenewer(self, task: asyncio.Task[None]) -> None:
+        """Stop the renewal task: cancel it while it sleeps, else let its renewal end.
+
+        Cancelling it mid-renewal could cut a ``lock_extended`` / ``lock_lost`` off
+        half-way through its receivers; waiting keeps each signal whole and before
+        ``lock_released``. A renewal answered after ``_begin_release`` is ignored by
+        ``_renew_outcome``, and ``_arenew`` checks ``_released`` before sleeping again.
+        """
+        if self._arenewer_idle:
+            task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    def _mark_lost(self, why: str, *, reason: str) -> list[Outgoing]:
+        """Mark the lease lost (once); return the ``lock_lost`` signal when this was it."""
         with self._mutex:
             first = not self._lost
             self._lost = True
-        if first:
-            logger.warning(
-                "Lost the lock on key %s (fence %s): %s. Writes fenced with this fence "
-                "will be rejected.",
-                hash_key(self.key),
-                self.fence,
-                why,
-            )
+        if not first:
+            return []
+        logger.warning(
+            "Lost the lock on key %s (fence %s): %s. Writes fenced with this fence "
+            "will be rejected.",
+            hash_key(self.key),
+            self.fence,
+            why,
+        )
+        return self._signal(signals.lock_lost, reason=reason)
+
+    def _signal(self, signal: Signal, **extra: Any) -> list[Outgoing]:
+        """``signal`` about this lease, with its hashes and fence (see ``signals``)."""
+        return signals.prepare(
+            signal, self.backend, key=self.key, lock_id=self.lock_id, fence=self.fence, **extra
+        )
 
 
 class _ThreadRenewer(threading.Thread):
@@ -198,6 +247,34 @@ class _ThreadRenewer(threading.Thread):
         self._stop_event.set()
         if self is not threading.current_thread():
             self.join()
+
+
+class _Attempts:
+    """Counts a hold's acquire attempts for ``lock_contended`` and ``lock_acquired``.
+
+    Wrapping the attempt callable keeps the retry loop (``retry.py``) unaware of
+    signals.
+    """
+
+    def __init__(self, backend: BaseLockBackend, key: str) -> None:
+        self.backend = backend
+        self.key = key
+        self.made = 0
+
+    def count(self, result: AcquireResult) -> list[Outgoing]:
+        """Record one attempt; a contended one calls for ``lock_contended``."""
+        self.made += 1
+        if result.ok:
+            return []
+        return signals.prepare(
+            signals.lock_contended, self.backend, key=self.key, attempt=self.made
+        )
+
+    def acquired(self, lease: Lease) -> list[Outgoing]:
+        """``lock_acquired`` for the lease the last attempt produced."""
+        return lease._signal(
+            signals.lock_acquired, expires_at_ms=lease.expires_at_ms, attempts=self.made
+        )
 
 
 def resolve_backend(using: str | BaseLockBackend) -> BaseLockBackend:
@@ -260,17 +337,21 @@ class LockSpec:
         """Acquire (with retries), yield the lease, always release."""
         key = normalize_and_validate_key(key)
         backend = resolve_backend(self.using)
-        result = acquire_with_retry(
-            lambda: backend.acquire(key, self.ttl_ms, cancel=self.cancel),
-            self.policy,
-            key=key,
-            cancel=self.cancel,
-        )
+        attempts = _Attempts(backend, key)
+
+        def attempt() -> AcquireResult:
+            result = backend.acquire(key, self.ttl_ms, cancel=self.cancel)
+            signals.send(attempts.count(result))
+            return result
+
+        result = acquire_with_retry(attempt, self.policy, key=key, cancel=self.cancel)
         lease = Lease(backend, key, result, self.ttl_ms)
-        if self.auto_extend:
-            lease.start_renewal()
         token = _held.set((*_held.get(), lease))
         try:
+            # Inside the try: whatever a receiver does, the lock is released.
+            signals.send(attempts.acquired(lease))
+            if self.auto_extend:
+                lease.start_renewal()
             yield lease
         finally:
             _held.reset(token)
@@ -284,17 +365,21 @@ class LockSpec:
     async def ahold(self, key: str) -> AsyncIterator[Lease]:
         key = normalize_and_validate_key(key)
         backend = resolve_backend(self.using)
-        result = await aacquire_with_retry(
-            lambda: backend.aacquire(key, self.ttl_ms, cancel=self.cancel),
-            self.policy,
-            key=key,
-            cancel=self.cancel,
-        )
+        attempts = _Attempts(backend, key)
+
+        async def attempt() -> AcquireResult:
+            result = await backend.aacquire(key, self.ttl_ms, cancel=self.cancel)
+            await signals.asend(attempts.count(result))
+            return result
+
+        result = await aacquire_with_retry(attempt, self.policy, key=key, cancel=self.cancel)
         lease = Lease(backend, key, result, self.ttl_ms)
-        if self.auto_extend:
-            lease.start_renewal(asynchronous=True)
         token = _held.set((*_held.get(), lease))
         try:
+            # Inside the try: a cancelled send or a receiver still ends in a release.
+            await signals.asend(attempts.acquired(lease))
+            if self.auto_extend:
+                lease.start_renewal(asynchronous=True)
             yield lease
         finally:
             _held.reset(token)
