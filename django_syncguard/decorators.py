@@ -38,6 +38,7 @@ from .constants import (
 from .errors import InvalidArgument
 from .keys import normalize_and_validate_key
 from .leases import Lease, LockSpec, ReleaseErrorHandler
+from .registry import register_locked
 from .retry import Backoff, Jitter
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -95,6 +96,7 @@ class locked:  # noqa: N801 - used like a function, as contextlib's helpers are
             raise InvalidArgument(f"locked(...) decorates a callable, not {fn!r}.")
         signature = inspect.signature(fn)
         self._check_placeholders(fn, signature)
+        register_locked(fn, self.spec)  # for the system checks (syncguard.E006, W003)
         render = functools.partial(self.render_key, signature)
 
         if inspect.iscoroutinefunction(fn):

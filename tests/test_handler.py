@@ -1,17 +1,14 @@
-"""The ``locks`` handler over SYNCGUARD_BACKENDS, and the system checks."""
+"""The ``locks`` handler over SYNCGUARD_BACKENDS (its system checks: test_checks.py)."""
 
 from __future__ import annotations
 
 import threading
 
 import pytest
-from django.core.management import call_command
-from django.core.management.base import SystemCheckError
 from django.test import override_settings
 
 from django_syncguard import locks
 from django_syncguard.backends.memory import MemoryBackend
-from django_syncguard.checks import check_backends
 from django_syncguard.handler import DEFAULT_BACKENDS, InvalidBackendError, LockHandler
 
 MEMORY = "django_syncguard.backends.memory.MemoryBackend"
@@ -80,56 +77,6 @@ def test_memory_backends_with_the_same_location_share_a_store():
     assert result.ok
 
 
-# --------------------------------------------------------------------- checks
-def ids(messages):
-    return [m.id for m in messages]
-
-
-def test_checks_pass_on_the_test_settings(settings):
-    settings.DEBUG = True
-    assert check_backends() == []
-
-
-def test_check_e001_bad_shape(settings):
-    settings.SYNCGUARD_BACKENDS = ["not", "a", "dict"]
-    assert ids(check_backends()) == ["syncguard.E001"]
-
-
-def test_check_e002_unimportable_backend(settings):
-    settings.SYNCGUARD_BACKENDS = {"default": {"BACKEND": "nowhere.Backend"}}
-    [message] = check_backends()
-    assert message.id == "syncguard.E002"
-    assert "'default'" in message.msg and "nowhere.Backend" in message.msg
-
-
-def test_check_e003_bad_option(settings):
-    settings.SYNCGUARD_BACKENDS = {
-        "default": {"BACKEND": MEMORY, "OPTIONS": {"OPERATION_TIMEOUT_MS": -5}}
-    }
-    [message] = check_backends()
-    assert message.id == "syncguard.E003"
-    assert "OPERATION_TIMEOUT_MS" in message.msg
-
-
-def test_check_e003_unknown_option(settings):
-    settings.SYNCGUARD_BACKENDS = {"default": {"BACKEND": MEMORY, "OPTIONS": {"TABLE": "x"}}}
-    [message] = check_backends()
-    assert message.id == "syncguard.E003"
-    assert "Unknown OPTIONS" in message.msg and "TABLE" in message.msg
-
-
-def test_check_w001_memory_in_production(settings):
-    settings.DEBUG = False
-    [message] = check_backends()
-    assert (message.id, message.level) == ("syncguard.W001", 30)
-
-
-def test_checks_are_registered_with_django(settings):
-    settings.SYNCGUARD_BACKENDS = {"default": {"BACKEND": "nowhere.Backend"}}
-    with pytest.raises(SystemCheckError, match=r"\(syncguard\.E002\)"):
-        call_command("check")
-
-
 def test_memory_backend_built_from_dotted_clock_path():
     backend = MemoryBackend("clocked", {"OPTIONS": {"CLOCK": "tests.test_handler.frozen_clock"}})
     assert backend.acquire("k", 1_000).expires_at_ms == 1_001_000
@@ -138,18 +85,6 @@ def test_memory_backend_built_from_dotted_clock_path():
 
 def frozen_clock() -> int:
     return 1_000_000
-
-
-def test_check_e003_database_backend_on_unsupported_vendor(settings):
-    settings.SYNCGUARD_BACKENDS = {
-        "default": {
-            "BACKEND": "django_syncguard.backends.database.DatabaseBackend",
-            "OPTIONS": {"DATABASE": "unsupported"},
-        }
-    }
-    [message] = check_backends()
-    assert message.id == "syncguard.E003"
-    assert "supports PostgreSQL and SQLite" in message.msg
 
 
 def test_migrations_match_the_models():

@@ -1,0 +1,482 @@
+"""The system checks (``django_syncguard.checks``): one test per message id.
+
+The deploy checks (W010, W011, I020) need servers; they are tested with their
+backends (tests/test_redis_backend.py, tests/test_firestore_backend.py).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+
+import pytest
+from django.core import checks
+from django.core.management import call_command
+from django.core.management.base import SystemCheckError
+from django.db import connections
+
+from django_syncguard import locked, locks, registry
+from django_syncguard.backends.memory import MemoryBackend
+from django_syncguard.checks import (
+    E001,
+    E002,
+    E003,
+    E004,
+    E004_HINT,
+    E005,
+    E006,
+    E006_HINT,
+    W001,
+    W002,
+    W002_HINT,
+    W003_RENEWAL,
+    W003_RENEWAL_HINT,
+    W003_TTL,
+    W003_TTL_HINT,
+    check_backends,
+)
+
+MEMORY = "django_syncguard.backends.memory.MemoryBackend"
+DATABASE = "django_syncguard.backends.database.DatabaseBackend"
+REDIS = "django_syncguard.backends.redis.RedisBackend"
+FIRESTORE = "django_syncguard.backends.firestore.FirestoreBackend"
+
+
+@pytest.fixture(autouse=True)
+def isolated_registry() -> Iterator[None]:
+    """Each test starts with no recorded ``@locked`` function and leaves none behind."""
+    saved = registry.snapshot()
+    registry.clear()
+    yield
+    registry.restore(saved)
+
+
+@pytest.fixture
+def debug(settings):
+    """DEBUG on, so that the memory backend of the test settings raises no W001."""
+    settings.DEBUG = True
+    return settings
+
+
+def run() -> list[checks.CheckMessage]:
+    return checks.run_checks(tags=["syncguard"])
+
+
+def only(messages: list[checks.CheckMessage]) -> tuple[str, int, str, str | None]:
+    [message] = messages
+    return message.id, message.level, message.msg, message.hint
+
+
+def here(name: str) -> str:
+    """The qualified name the registry gives a function defined inside test ``name``."""
+    return f"{__name__}.{name}.<locals>"
+
+
+# ----------------------------------------------------------------- clean
+@pytest.mark.usefixtures("debug")
+def test_clean_configuration_gives_no_messages():
+    @locked("job:<n>", ttl_ms=30_000, auto_extend=True)
+    def job(n): ...
+
+    @locked("other", using="default", ttl_ms=5_001)
+    def other(): ...
+
+    assert run() == []
+
+
+def test_the_default_database_backend_checks_clean_without_io(settings):
+    del settings.SYNCGUARD_BACKENDS  # the implicit "default": DATABASES["default"]
+
+    @locked("job")
+    def job(): ...
+
+    assert run() == []
+
+
+def test_a_database_backend_over_a_dead_server_checks_clean(debug):
+    # No connection is opened: nothing listens on the "dead" alias's port.
+    pytest.importorskip("psycopg")
+    debug.SYNCGUARD_BACKENDS = {"default": {"BACKEND": DATABASE, "OPTIONS": {"DATABASE": "dead"}}}
+    assert run() == []
+
+
+def test_checks_leave_the_shared_handler_alone(settings):
+    settings.DEBUG = True
+    before = locks["default"]
+    assert run() == []
+    assert locks["default"] is before
+
+
+# ------------------------------------------------------------------- E001
+@pytest.fixture
+def bad_shape(settings):
+    """Settings about to hold a ``SYNCGUARD_BACKENDS`` of the wrong shape.
+
+    ``locks.reset()`` (on ``setting_changed``) reads the settings when the shared
+    handler has not loaded them yet, and then fails on a wrong shape: load them first.
+    """
+    assert locks.settings is not None
+    return settings
+
+
+def test_e001_bad_shape(bad_shape):
+    bad_shape.SYNCGUARD_BACKENDS = ["not", "a", "dict"]
+    assert only(run()) == ("syncguard.E001", checks.ERROR, E001, None)
+    assert E001 == "SYNCGUARD_BACKENDS must be a dict mapping aliases to backend settings."
+
+
+def test_e001_an_alias_that_is_not_a_dict(bad_shape):
+    bad_shape.SYNCGUARD_BACKENDS = {"default": MEMORY}
+    assert only(run())[0] == "syncguard.E001"
+
+
+# ------------------------------------------------------------------- E002
+def test_e002_unimportable_backend(settings):
+    settings.SYNCGUARD_BACKENDS = {"default": {"BACKEND": "nowhere.Backend"}}
+    assert only(run()) == (
+        "syncguard.E002",
+        checks.ERROR,
+        "Lock backend 'default' cannot be loaded: SYNCGUARD_BACKENDS['default']['BACKEND'] "
+        "= 'nowhere.Backend' cannot be imported: No module named 'nowhere'.",
+        None,
+    )
+
+
+def test_e002_names_the_missing_pip_extra(settings, monkeypatch):
+    monkeypatch.setitem(sys.modules, "redis", None)  # as if redis-py were not installed
+    settings.DEBUG = True
+    settings.SYNCGUARD_BACKENDS = {
+        "default": {"BACKEND": MEMORY},
+        "redis": {"BACKEND": REDIS, "LOCATION": "redis://127.0.0.1:1/0"},
+    }
+    assert only(run()) == (
+        "syncguard.E002",
+        checks.ERROR,
+        "Lock backend 'redis' cannot be loaded: SYNCGUARD_BACKENDS['redis']: The Redis lock "
+        'backend needs redis-py: pip install "django-syncguard[redis]".',
+        None,
+    )
+    assert E002 == "Lock backend {alias!r} cannot be loaded: {error}"
+
+
+def test_e002_names_the_extra_when_the_backend_module_cannot_be_imported(settings, monkeypatch):
+    monkeypatch.setitem(sys.modules, "django_syncguard.backends.redis", None)
+    settings.SYNCGUARD_BACKENDS = {"default": {"BACKEND": REDIS, "LOCATION": "redis://x"}}
+    [message] = run()
+    assert message.id == "syncguard.E002"
+    assert message.msg.endswith(' Install it with: pip install "django-syncguard[redis]".')
+
+
+# ------------------------------------------------------------------- E003
+def test_e003_bad_option(settings):
+    settings.SYNCGUARD_BACKENDS = {
+        "default": {"BACKEND": MEMORY, "OPTIONS": {"OPERATION_TIMEOUT_MS": -5}}
+    }
+    assert only(run()) == (
+        "syncguard.E003",
+        checks.ERROR,
+        "Lock backend 'default' is misconfigured: "
+        "OPTIONS['OPERATION_TIMEOUT_MS'] must be a positive int (ms), not -5.",
+        None,
+    )
+
+
+def test_e003_unknown_option(settings):
+    settings.SYNCGUARD_BACKENDS = {"default": {"BACKEND": MEMORY, "OPTIONS": {"TABLE": "x"}}}
+    [message] = run()
+    assert message.id == "syncguard.E003"
+    assert message.msg == E003.format(
+        alias="default",
+        error="Unknown OPTIONS for MemoryBackend (alias 'default'): TABLE. "
+        "Known: CLEANUP_IN_IS_LOCKED, CLOCK, CONNECT_TIMEOUT_MS, OPERATION_TIMEOUT_MS.",
+    )
+
+
+def test_e003_lock_and_fence_storage_named_the_same(settings):
+    settings.SYNCGUARD_BACKENDS = {
+        "default": {
+            "BACKEND": FIRESTORE,
+            "OPTIONS": {"COLLECTION": "locks", "FENCE_COLLECTION": "locks"},
+        }
+    }
+    assert only(run()) == (
+        "syncguard.E003",
+        checks.ERROR,
+        "Lock backend 'default' is misconfigured: OPTIONS['COLLECTION'] and "
+        "OPTIONS['FENCE_COLLECTION'] must differ: cleanup of lock documents must never "
+        "reach fence counters.",
+        None,
+    )
+
+
+def test_e003_database_option_that_is_not_a_string(settings):
+    settings.SYNCGUARD_BACKENDS = {"default": {"BACKEND": DATABASE, "OPTIONS": {"DATABASE": 1}}}
+    assert only(run())[:3] == (
+        "syncguard.E003",
+        checks.ERROR,
+        "Lock backend 'default' is misconfigured: "
+        "OPTIONS['DATABASE'] must name an alias of DATABASES.",
+    )
+
+
+# ------------------------------------------------------------------- E004
+def test_e004_database_backend_on_an_unsupported_vendor(settings):
+    settings.SYNCGUARD_BACKENDS = {
+        "default": {"BACKEND": DATABASE, "OPTIONS": {"DATABASE": "unsupported"}}
+    }
+    assert only(run()) == (
+        "syncguard.E004",
+        checks.ERROR,
+        "Lock backend 'default': DATABASES['unsupported'] is a 'unknown' database, which the "
+        "database backend does not support (supported: postgresql, sqlite).",
+        "Point OPTIONS['DATABASE'] at a PostgreSQL or SQLite alias of DATABASES, or use the "
+        "Redis or Firestore backend.",
+    )
+    assert only(run())[2:] == (
+        E004.format(
+            alias="default",
+            database="unsupported",
+            vendor="unknown",
+            supported="postgresql, sqlite",
+        ),
+        E004_HINT,
+    )
+
+
+# ------------------------------------------------------------------- E005
+def test_e005_database_alias_missing_from_databases(settings):
+    settings.SYNCGUARD_BACKENDS = {
+        "default": {"BACKEND": DATABASE, "OPTIONS": {"DATABASE": "replica"}}
+    }
+    configured = ", ".join(repr(alias) for alias in connections.settings)
+    assert configured.startswith("'default', ")
+    assert only(run()) == (
+        "syncguard.E005",
+        checks.ERROR,
+        "Lock backend 'default': OPTIONS['DATABASE'] = 'replica' is not an alias of DATABASES "
+        f"(configured: {configured}).",
+        None,
+    )
+    assert E005.startswith("Lock backend {alias!r}: OPTIONS['DATABASE']")
+
+
+# ------------------------------------------------------------------- E006
+@pytest.mark.usefixtures("debug")
+def test_e006_locked_function_using_an_unknown_alias():
+    @locked("report:<n>", using="reports")
+    def build_report(n): ...
+
+    assert only(run()) == (
+        "syncguard.E006",
+        checks.ERROR,
+        f"{here('test_e006_locked_function_using_an_unknown_alias')}.build_report is "
+        "decorated with @locked(using='reports'), but SYNCGUARD_BACKENDS has no alias "
+        "'reports' (configured: 'default').",
+        "Add the alias to SYNCGUARD_BACKENDS, or pass using= one that it defines.",
+    )
+    assert only(run())[3] == E006_HINT
+
+
+def test_e006_default_alias_missing_from_an_explicit_setting(settings):
+    settings.DEBUG = True
+    settings.SYNCGUARD_BACKENDS = {"main": {"BACKEND": MEMORY}}
+
+    @locked("job")
+    def job(): ...
+
+    assert only(run())[:3] == (
+        "syncguard.E006",
+        checks.ERROR,
+        E006.format(
+            function=f"{here('test_e006_default_alias_missing_from_an_explicit_setting')}.job",
+            using="default",
+            configured="'main'",
+        ),
+    )
+
+
+@pytest.mark.usefixtures("debug")
+def test_e006_not_for_a_backend_object_or_a_with_block():
+    backend = MemoryBackend("private")
+
+    @locked("job", using=backend)
+    def job(): ...
+
+    guard = locked("other", using="nowhere")  # used with `with`, never decorating
+    assert guard is not None
+    assert run() == []
+
+
+# ------------------------------------------------------------------- W001
+def test_w001_memory_backend_while_debug_is_false(settings):
+    settings.DEBUG = False
+    assert only(run()) == (
+        "syncguard.W001",
+        checks.WARNING,
+        "Lock backend 'default' is the in-process MemoryBackend while DEBUG is False: "
+        "it excludes nothing across processes.",
+        None,
+    )
+    assert W001.format(alias="default") == only(run())[2]
+
+
+# ------------------------------------------------------------------- W002
+def test_w002_database_lock_backend_with_atomic_requests(settings, monkeypatch):
+    del settings.SYNCGUARD_BACKENDS  # the database backend over DATABASES["default"]
+    monkeypatch.setitem(connections.settings["default"], "ATOMIC_REQUESTS", True)
+    assert only(run()) == (
+        "syncguard.W002",
+        checks.WARNING,
+        "Lock backend 'default' keeps its locks in DATABASES['default'], which has "
+        "ATOMIC_REQUESTS=True. The lock backend uses its own autocommit connection, so a "
+        "lock is visible at once, but a view decorated with @locked commits its writes only "
+        "after the decorator released the lock: the next holder can read data from before "
+        "the write.",
+        "Decorate such views with @transaction.non_atomic_requests and open "
+        "transaction.atomic() inside the locked function, or write with fenced_update().",
+    )
+    assert (W002.format(alias="default", database="default"), W002_HINT) == only(run())[2:]
+
+
+def test_w002_not_without_atomic_requests(settings):
+    del settings.SYNCGUARD_BACKENDS
+    assert connections.settings["default"]["ATOMIC_REQUESTS"] is False
+    assert run() == []
+
+
+# ------------------------------------------------------------------- W003
+@pytest.mark.usefixtures("debug")
+def test_w003_ttl_not_longer_than_the_operation_timeout():
+    @locked("job", ttl_ms=5_000)  # the default OPERATION_TIMEOUT_MS is 5000
+    def job(): ...
+
+    assert only(run()) == (
+        "syncguard.W003",
+        checks.WARNING,
+        f"{here('test_w003_ttl_not_longer_than_the_operation_timeout')}.job: "
+        "@locked(ttl_ms=5000) is not longer than OPERATION_TIMEOUT_MS of lock backend "
+        "'default' (5000 ms): the lease can expire before one call to the server is allowed "
+        "to fail.",
+        "Give ttl_ms more than OPERATION_TIMEOUT_MS, or lower OPERATION_TIMEOUT_MS.",
+    )
+    assert only(run())[3] == W003_TTL_HINT
+
+
+def test_w003_reads_the_alias_operation_timeout(settings):
+    settings.DEBUG = True
+    settings.SYNCGUARD_BACKENDS = {
+        "default": {"BACKEND": MEMORY},
+        "slow": {"BACKEND": MEMORY, "OPTIONS": {"OPERATION_TIMEOUT_MS": 60_000}},
+    }
+
+    @locked("job", using="slow")  # the default ttl_ms, 30000
+    def job(): ...
+
+    @locked("fine", using="default")
+    def fine(): ...
+
+    assert only(run())[:3] == (
+        "syncguard.W003",
+        checks.WARNING,
+        W003_TTL.format(
+            function=f"{here('test_w003_reads_the_alias_operation_timeout')}.job",
+            ttl_ms=30_000,
+            using="slow",
+            timeout=60_000,
+        ),
+    )
+
+
+@pytest.mark.usefixtures("debug")
+def test_w003_auto_extend_renewal_leaves_less_than_the_operation_timeout():
+    @locked("job", ttl_ms=6_000, auto_extend=True)
+    def job(): ...
+
+    assert only(run()) == (
+        "syncguard.W003",
+        checks.WARNING,
+        f"{here('test_w003_auto_extend_renewal_leaves_less_than_the_operation_timeout')}.job: "
+        "@locked(ttl_ms=6000, auto_extend=True) renews every 2000 ms (a third of the TTL), "
+        "leaving 4000 ms of lease, less than OPERATION_TIMEOUT_MS of lock backend 'default' "
+        "(5000 ms): the lease can expire while a renewal is still allowed to wait for the "
+        "server.",
+        "Give ttl_ms at least 7500 ms (1.5 x OPERATION_TIMEOUT_MS), or lower OPERATION_TIMEOUT_MS.",
+    )
+    assert W003_RENEWAL_HINT.format(minimum=7500) == only(run())[3]
+    assert W003_RENEWAL.startswith("{function}: @locked(ttl_ms={ttl_ms}, auto_extend=True)")
+
+
+@pytest.mark.usefixtures("debug")
+def test_w003_boundaries():
+    @locked("a", ttl_ms=5_001)  # longer than the timeout: fine without auto_extend
+    def a(): ...
+
+    @locked("b", ttl_ms=7_500, auto_extend=True)  # 2/3 of it is exactly the timeout
+    def b(): ...
+
+    assert run() == []
+
+    @locked("c", ttl_ms=7_499, auto_extend=True)
+    def c(): ...
+
+    [message] = run()
+    assert message.id == "syncguard.W003"
+    assert "renews every 2500 ms" in message.msg and "leaving 4999 ms" in message.msg
+
+
+@pytest.mark.usefixtures("debug")
+def test_w003_not_for_an_alias_that_failed_to_build(settings):
+    settings.SYNCGUARD_BACKENDS = {
+        "default": {"BACKEND": MEMORY, "OPTIONS": {"OPERATION_TIMEOUT_MS": 0}}
+    }
+
+    @locked("job", ttl_ms=1)
+    def job(): ...
+
+    assert [m.id for m in run()] == ["syncguard.E003"]
+
+
+# ----------------------------------------------------------------- registry
+def test_registry_records_each_decoration_once():
+    def work(): ...
+
+    for _ in range(3):
+        locked("job", using="x", ttl_ms=1_000)(work)
+    locked("job", using="x", ttl_ms=2_000, auto_extend=True)(work)
+    name = f"{here('test_registry_records_each_decoration_once')}.work"
+    assert registry.locked_functions() == (
+        registry.LockedFunction(name, "x", 1_000, False),
+        registry.LockedFunction(name, "x", 2_000, True),
+    )
+
+
+def test_registry_snapshot_and_restore():
+    locked("job")(lambda: None)
+    saved = registry.snapshot()
+    registry.clear()
+    assert registry.locked_functions() == ()
+    registry.restore(saved)
+    assert registry.locked_functions() == saved
+    assert saved[0].name == f"{here('test_registry_snapshot_and_restore')}.<lambda>"
+
+
+# ------------------------------------------------------------ manage.py check
+def test_manage_py_check_fails_on_an_error(settings):
+    settings.SYNCGUARD_BACKENDS = {"default": {"BACKEND": "nowhere.Backend"}}
+    with pytest.raises(SystemCheckError, match=r"\(syncguard\.E002\)"):
+        call_command("check")
+
+
+def test_manage_py_check_fails_on_an_unknown_alias(settings):
+    settings.DEBUG = True
+
+    @locked("job", using="missing")
+    def job(): ...
+
+    with pytest.raises(SystemCheckError, match=r"\(syncguard\.E006\) .*\.job is decorated"):
+        call_command("check")
+
+
+def test_check_backends_can_be_called_directly(bad_shape):
+    bad_shape.SYNCGUARD_BACKENDS = ["bad"]
+    assert [m.id for m in check_backends()] == ["syncguard.E001"]
