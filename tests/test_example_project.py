@@ -1,25 +1,38 @@
-"""The README's main command: the example project's demo, run as a user would."""
+"""The README's main command: the example project's demo, run as a user would.
+
+The example project has its own settings (SQLite file, database lock backend), so
+everything here runs in subprocesses inside ``example_project/``, each on a fresh
+database file (``EXAMPLE_DB_PATH``): fences start at 1 and the output is exact.
+"""
 
 from __future__ import annotations
 
+import json
 import os
+import sqlite3
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "example_project"
 
+Run = Callable[..., str]
 
-@pytest.mark.slow
-def test_demo_pays_the_invoice_exactly_once(tmp_path):
-    env = {**os.environ, "EXAMPLE_DB_PATH": str(tmp_path / "demo.sqlite3")}
+
+@pytest.fixture
+def example(tmp_path: Path) -> tuple[Run, Path]:
+    """A runner of ``python <args>`` in the example project on a fresh, migrated
+    database, and the database's path."""
+    database = tmp_path / "example.sqlite3"
+    env = {**os.environ, "EXAMPLE_DB_PATH": str(database)}
     env.pop("DJANGO_SETTINGS_MODULE", None)
 
-    def manage(*args: str) -> str:
+    def run(*args: str) -> str:
         done = subprocess.run(
-            [sys.executable, "manage.py", *args],
+            [sys.executable, *args],
             cwd=EXAMPLE,
             env=env,
             capture_output=True,
@@ -29,13 +42,136 @@ def test_demo_pays_the_invoice_exactly_once(tmp_path):
         assert done.returncode == 0, done.stderr
         return done.stdout
 
-    manage("migrate", "--noinput", "--verbosity", "0")
-    lines = manage("syncguard_demo").splitlines()
+    run("manage.py", "migrate", "--noinput", "--verbosity", "0")
+    return run, database
+
+
+@pytest.mark.slow
+def test_demo_pays_the_invoice_exactly_once(example: tuple[Run, Path]) -> None:
+    run, database = example
+
+    lines = run("manage.py", "syncguard_demo").splitlines()
+
     assert lines == [
-        "Paying Invoice INV-0042 with two workers",
-        "  worker-A holds invoice:1 with fence 000000000000001",
-        "  worker-B finds invoice:1 locked and waits",
-        "  worker-A (fence 000000000000001) paid the invoice",
-        "  worker-B (fence 000000000000002) found it already paid",
-        "Invoice INV-0042 paid=True by worker-A (fence 000000000000001)",
+        "Paying Invoice INV-0042 (125.00) with 4 worker processes",
+        "  Each worker is its own Python process; the lock invoice:<pk> and its fences live "
+        "in the shared SQLite file.",
+        "1. worker-1 takes the lock, then stalls past its lease",
+        "  worker-1 (300 ms lease) holds invoice:1 with fence 000000000000001, then stalls "
+        "before writing",
+        "  worker-1's lease ran out while it stalled: invoice:1 is free again",
+        "2. Three more workers pay it at the same time",
+        "  worker-2 (task) holds invoice:1 with fence 000000000000002 and charges the card",
+        "  worker-3 (task) finds invoice:1 locked and waits",
+        "  worker-4 (web) POST /invoices/1/pay/ -> 409 Conflict: Another worker is paying "
+        "this invoice.",
+        "  worker-2 (fence 000000000000002) paid the invoice",
+        "  worker-3 (fence 000000000000003) found it already paid",
+        "3. worker-1 wakes up and writes with its old fence",
+        "  worker-1 (fence 000000000000001) is rejected: StaleFenceError: Stale fence "
+        "000000000000001: a newer holder has already written this row.",
+        "Result",
+        "  Invoice INV-0042 paid=True by worker-2 (fence 000000000000002)",
+        "  Payments recorded: 1 (worker-2, fence 000000000000002)",
     ]
+    with sqlite3.connect(database) as db:
+        invoices = db.execute(
+            "SELECT id, number, paid, paid_by, fence FROM invoices_invoice"
+        ).fetchall()
+        payments = db.execute(
+            "SELECT invoice_id, worker, fence, amount_cents FROM invoices_payment"
+        ).fetchall()
+        # Every lock was released: worker-1's expired, the others' by their holders.
+        held = db.execute("SELECT count(*) FROM syncguard_locks").fetchone()[0]
+    assert invoices == [(1, "INV-0042", 1, "worker-2", "000000000000002")]
+    assert payments == [(1, "worker-2", "000000000000002", 12_500)]
+    assert held == 0
+
+
+# Runs in the example project with its settings: the view through Django's test
+# client, while another holder has the lock and after it let go; then the task.
+VIEW_AND_TASK = """
+import json, os
+
+import django
+
+os.environ["DJANGO_SETTINGS_MODULE"] = "example_project.settings"
+django.setup()
+
+from django.test import Client
+
+from django_syncguard import locks
+from invoices import tasks
+from invoices.models import Invoice, Payment
+
+web = Invoice.objects.create(number="INV-0100", amount_cents=5_000)
+queued = Invoice.objects.create(number="INV-0200", amount_cents=7_000)
+client = Client(HTTP_HOST="localhost")
+out = {}
+
+def post(pk):
+    response = client.post(f"/invoices/{pk}/pay/")
+    return [response.status_code, response.get("Retry-After"), response.json()]
+
+someone_else = locks["default"].acquire(f"invoice:{web.pk}", 10_000)
+out["while_locked"] = post(web.pk)
+out["still_unpaid"] = Invoice.objects.get(pk=web.pk).paid
+locks["default"].release(someone_else.lock_id)
+out["first"] = post(web.pk)
+out["second"] = post(web.pk)
+out["get"] = client.get(f"/invoices/{web.pk}/pay/").status_code
+out["missing"] = client.post("/invoices/999/pay/").status_code
+out["task"] = [tasks.pay_invoice(queued.pk, "worker-7"), tasks.pay_invoice(queued.pk, "worker-8")]
+out["invoices"] = list(
+    Invoice.objects.order_by("pk").values_list("number", "paid", "paid_by", "fence")
+)
+out["payments"] = list(
+    Payment.objects.order_by("pk").values_list("invoice__number", "worker", "fence")
+)
+out["held"] = [locks["default"].is_locked(f"invoice:{pk}") for pk in (web.pk, queued.pk)]
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_the_view_pays_once_and_answers_409_while_the_invoice_is_locked(
+    example: tuple[Run, Path],
+) -> None:
+    run, _ = example
+
+    out = json.loads(run("-c", VIEW_AND_TASK))
+
+    # Someone else held invoice:1 (fence 1): the view gave up after its short wait.
+    assert out["while_locked"] == [
+        409,
+        "1",
+        {"error": "locked", "detail": "Another worker is paying this invoice."},
+    ]
+    assert out["still_unpaid"] is False
+    # Once it was free: paid by the first request, not by the second.
+    assert out["first"] == [
+        200,
+        None,
+        {"invoice": "INV-0100", "worker": "web", "fence": "000000000000002", "paid": True},
+    ]
+    assert out["second"] == [
+        200,
+        None,
+        {"invoice": "INV-0100", "worker": "web", "fence": "000000000000003", "paid": False},
+    ]
+    assert out["get"] == 405
+    assert out["missing"] == 404
+    # The task, called directly (Celery is not installed), has its own key: invoice:2.
+    assert out["task"] == [
+        {"invoice": "INV-0200", "worker": "worker-7", "fence": "000000000000001", "paid": True},
+        {"invoice": "INV-0200", "worker": "worker-8", "fence": "000000000000002", "paid": False},
+    ]
+    assert out["invoices"] == [
+        ["INV-0100", True, "web", "000000000000002"],
+        ["INV-0200", True, "worker-7", "000000000000001"],
+    ]
+    assert out["payments"] == [
+        ["INV-0100", "web", "000000000000002"],
+        ["INV-0200", "worker-7", "000000000000001"],
+    ]
+    assert out["held"] == [False, False]

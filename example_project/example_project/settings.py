@@ -47,8 +47,13 @@ DATABASES = {
     "default": {
         "ENGINE": "django.db.backends.sqlite3",
         "NAME": os.environ.get("EXAMPLE_DB_PATH", BASE_DIR / "db.sqlite3"),
-        # WAL lets readers and the lock backend's writes proceed side by side.
-        "OPTIONS": {"init_command": "PRAGMA journal_mode=WAL;"},
+        # WAL lets readers and the lock backend's writes proceed side by side; the demo's
+        # worker processes share this file. IMMEDIATE: a transaction takes SQLite's write
+        # lock when it begins, so concurrent writers queue instead of failing.
+        "OPTIONS": {
+            "init_command": "PRAGMA journal_mode=WAL;",
+            "transaction_mode": "IMMEDIATE",
+        },
     }
 }
 

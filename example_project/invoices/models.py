@@ -1,7 +1,11 @@
+"""An invoice, and the payments recorded against it."""
+
 from django.db import models
 
 
 class Invoice(models.Model):
+    """An invoice to be paid exactly once."""
+
     number = models.CharField(max_length=20, unique=True)
     amount_cents = models.PositiveIntegerField()
     paid = models.BooleanField(default=False)
@@ -11,3 +15,18 @@ class Invoice(models.Model):
 
     def __str__(self) -> str:
         return f"Invoice {self.number}"
+
+
+class Payment(models.Model):
+    """One payment that got through, written in the same transaction as the fenced
+    update of its invoice: an invoice paid exactly once has exactly one."""
+
+    invoice = models.ForeignKey(Invoice, on_delete=models.CASCADE, related_name="payments")
+    worker = models.CharField(max_length=40)
+    #: The fence of the lock the worker held when it paid.
+    fence = models.CharField(max_length=15)
+    amount_cents = models.PositiveIntegerField()
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    def __str__(self) -> str:
+        return f"Payment of {self.invoice} by {self.worker} (fence {self.fence})"
