@@ -27,6 +27,13 @@ class Lock(models.Model):
         indexes = (models.Index(fields=["expires_at_ms"], name="syncguard_locks_expires_idx"),)
         verbose_name = "lock"
         verbose_name_plural = "locks"
+        # The admin lock inspector covers every backend alias, not only this table:
+        # "view" opens it; these two add raw keys and the force-release action.
+        default_permissions = ("view",)
+        permissions = (
+            ("view_lock_key", "Can see raw lock keys in the lock inspector"),
+            ("force_release_lock", "Can force-release a lock from the lock inspector"),
+        )
 
     def __str__(self) -> str:
         return f"lock with fence {self.fence}"

@@ -20,6 +20,7 @@ INSTALLED_APPS = [
     "django.contrib.contenttypes",
     "django.contrib.sessions",
     "django.contrib.messages",
+    "django.contrib.staticfiles",
     "django_syncguard",
     "tests.testapp",
 ]
@@ -27,6 +28,7 @@ INSTALLED_APPS = [
 MIDDLEWARE = [
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
 ]
@@ -87,3 +89,9 @@ LOGGING = {
     "disable_existing_loggers": False,
     "loggers": {"django_syncguard": {"level": "DEBUG"}},
 }
+
+# Fast hashing: tests create users, and PBKDF2 would cost a second each.
+PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
+
+# The browser test's live server serves the admin's CSS through staticfiles.
+STATIC_URL = "/static/"

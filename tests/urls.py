@@ -1,8 +1,10 @@
+from django.contrib import admin
 from django.urls import path
 
 from tests.testapp import views
 
 urlpatterns = [
+    path("admin/", admin.site.urls),
     path("invoices/<int:pk>/pay/", views.pay_invoice),
     path("async/invoices/<int:pk>/pay/", views.apay_invoice),
     path("atomic/invoices/<int:pk>/pay/", views.pay_atomic),

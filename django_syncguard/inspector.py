@@ -1,0 +1,145 @@
+"""What the admin lock inspector shows and does, apart from Django's admin wiring.
+
+Pages of live locks come from each backend's ``list_locks``; rows show hashes of keys
+(the raw key only with ``django_syncguard.view_lock_key``) and never a lock id.
+
+The browser never receives a raw key or a backend cursor (both can name customers):
+rows and "next page" links carry random tokens, and what a token stands for is kept
+in the user's session. With Django's default database or cache sessions this stays
+on the server; with the signed-cookie session engine it would travel in a signed but
+readable cookie, so that engine is best avoided on sites that use the inspector.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import secrets
+from collections.abc import MutableMapping
+from dataclasses import dataclass
+from typing import Any
+
+from .backends.base import BaseLockBackend, LockPage
+from .keys import hash_key
+from .results import ReleaseResult
+from .signals import lock_force_released, prepare, send
+
+logger = logging.getLogger("django_syncguard.inspector")
+
+SESSION_KEY = "django_syncguard.inspector"
+PAGE_SIZE = 100
+#: Tokens kept per session: several pages' rows and cursors, across browser tabs.
+MAX_ROWS = 1_000
+MAX_CURSORS = 100
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    """One lock as the inspector shows it."""
+
+    token: str
+    key_hash: str
+    key: str | None  # None unless the user may see raw keys
+    fence: str | None
+    acquired_at: dt.datetime
+    expires_at: dt.datetime
+    remaining_ms: int  # by the backend's clock
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """What a row token stands for (kept in the session, never sent to the browser)."""
+
+    alias: str
+    key: str
+    lock_id_hash: str
+    fence: str | None
+
+
+class Tokens:
+    """Row and cursor tokens of one user's session, oldest dropped first."""
+
+    def __init__(self, session: MutableMapping[str, Any]) -> None:
+        self.session = session
+        state = session.get(SESSION_KEY) or {}
+        self.rows: dict[str, list[Any]] = dict(state.get("rows", {}))
+        self.cursors: dict[str, list[str]] = dict(state.get("cursors", {}))
+
+    def add_row(self, alias: str, key: str, lock_id_hash: str, fence: str | None) -> str:
+        token = secrets.token_urlsafe(12)
+        self.rows[token] = [alias, key, lock_id_hash, fence]
+        return token
+
+    def add_cursor(self, alias: str, cursor: str) -> str:
+        token = secrets.token_urlsafe(12)
+        self.cursors[token] = [alias, cursor]
+        return token
+
+    def target(self, token: str) -> Target | None:
+        entry = self.rows.get(token)
+        return None if entry is None else Target(*entry)
+
+    def cursor(self, token: str, alias: str) -> str | None:
+        entry = self.cursors.get(token)
+        return entry[1] if entry is not None and entry[0] == alias else None
+
+    def save(self) -> None:
+        rows = list(self.rows.items())[-MAX_ROWS:]
+        cursors = list(self.cursors.items())[-MAX_CURSORS:]
+        self.session[SESSION_KEY] = {"rows": dict(rows), "cursors": dict(cursors)}
+
+
+def rows_of(page: LockPage, alias: str, tokens: Tokens, *, show_keys: bool) -> list[Row]:
+    """The rows of ``page``, registering a token for each."""
+    rows = []
+    for record in page.records:
+        lock_id_hash = hash_key(record.lock_id)
+        rows.append(
+            Row(
+                token=tokens.add_row(alias, record.key, lock_id_hash, record.fence),
+                key_hash=hash_key(record.key),
+                key=record.key if show_keys else None,
+                fence=record.fence,
+                acquired_at=from_ms(record.acquired_at_ms),
+                expires_at=from_ms(record.expires_at_ms),
+                remaining_ms=record.expires_at_ms - page.now_ms,
+            )
+        )
+    return rows
+
+
+def force_release(
+    backend: BaseLockBackend, target: Target, *, user: Any, reason: str
+) -> ReleaseResult:
+    """Release ``target`` for its holder and tell ``lock_force_released`` receivers."""
+    result = backend.force_release(target.key, target.lock_id_hash)
+    username = getattr(user, "get_username", lambda: None)()
+    if result.ok:
+        logger.warning(
+            "Lock %s on %r force-released by %s: %s",
+            hash_key(target.key),
+            target.alias,
+            username,
+            reason,
+        )
+        # Only the lock id's hash is known here (the raw id never left the backend).
+        outgoing = prepare(lock_force_released, backend, key=target.key, user=username)
+        for item in outgoing:
+            item.kwargs.update(lock_id_hash=target.lock_id_hash, fence=target.fence, reason=reason)
+        send(outgoing)
+    return result
+
+
+def from_ms(ms: int) -> dt.datetime:
+    return dt.datetime.fromtimestamp(ms / 1000, tz=dt.UTC)
+
+
+def format_remaining(ms: int) -> str:
+    """``12.3 s`` / ``4 min 05 s``: a lease's remaining time at a glance."""
+    if ms < 60_000:
+        return f"{ms / 1000:.1f} s"
+    minutes, seconds = divmod(ms // 1000, 60)
+    if minutes < 60:
+        return f"{minutes} min {seconds:02d} s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours} h {minutes:02d} min"
