@@ -115,7 +115,9 @@ class LockHandler(_HandlerBase):
         ]
 
     def close_all(self) -> None:
-        for backend in self.all(initialized_only=True):
+        # The backends built so far, without reading settings: on setting_changed the
+        # settings may already be the new (possibly invalid) value.
+        for backend in list(vars(self._connections).values()):
             backend.close()
 
     def reset(self) -> None:

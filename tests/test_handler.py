@@ -97,3 +97,12 @@ def test_migrations_match_the_models():
     loader = MigrationLoader(None, ignore_no_migrations=True)
     detector = MigrationAutodetector(loader.project_state(), ProjectState.from_apps(apps))
     assert detector.changes(graph=loader.graph) == {}
+
+
+def test_overriding_the_setting_with_a_bad_shape_fails_only_on_use():
+    locks.reset()  # settings not read yet: the reset on setting_changed must not read them
+    with (
+        override_settings(SYNCGUARD_BACKENDS=["not", "a", "dict"]),
+        pytest.raises(InvalidBackendError),
+    ):
+        locks["default"]
