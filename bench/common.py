@@ -9,12 +9,15 @@ same clients, keys and duration, so the ratios printed are side by side.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
+import pickle
 import platform
 import statistics
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,8 +44,16 @@ class Sample:
 
 
 def run_client(factory: MethodFactory, client: int, shared: bool, seconds: float) -> Sample:
-    """One client's loop: acquire, release, repeat, for ``seconds``."""
+    """One client's loop: acquire, release, repeat, for ``seconds``.
+
+    One untimed cycle on a key of its own comes first, so that opening connections
+    (and loading scripts, compiling plans) is not counted as the first acquire.
+    """
     acquire, release = factory(client)
+    with contextlib.suppress(Exception):
+        token = acquire(f"warmup:c{client}")
+        if token is not None:
+            release(token)
     sample = Sample()
     keys = ["shared"] if shared else [f"c{client}:k{n}" for n in range(64)]
     deadline = time.perf_counter() + seconds
@@ -71,85 +82,207 @@ def run_client(factory: MethodFactory, client: int, shared: bool, seconds: float
     return sample
 
 
-def _process_main(
-    setup: Callable[[], MethodFactory],
-    client: int,
+def parse_mode(mode: str) -> tuple[int, int]:
+    """``(processes, threads per process)`` of a mode; 0 processes means in this process.
+
+    ``"1 client"``, ``"8 threads"`` (in this process), ``"4 processes"`` (one client
+    each) and ``"8 processes x 4 threads"`` (32 clients) are understood.
+    """
+    words = mode.split()
+    try:
+        if len(words) == 2 and words[1] in ("client", "clients") and int(words[0]) == 1:
+            return 0, 1
+        if len(words) == 2 and words[1] in ("thread", "threads"):
+            return 0, int(words[0])
+        if len(words) == 2 and words[1] in ("process", "processes"):
+            return int(words[0]), 1
+        if len(words) == 5 and words[1] in ("process", "processes") and words[2] == "x":
+            return int(words[0]), int(words[3])
+    except ValueError:
+        pass
+    raise ValueError(
+        f"unknown mode {mode!r}: '1 client', 'N threads', 'N processes', 'N processes x T threads'"
+    )
+
+
+def run_threads(
+    factory: MethodFactory,
+    first_client: int,
+    threads: int,
     shared: bool,
     seconds: float,
-    start: Any,
-    out: Any,
-) -> None:
-    factory = setup()
-    start.wait()
-    out.put(run_client(factory, client, shared, seconds))
+    ready: Callable[[], None] | None = None,
+) -> Sample:
+    """``threads`` clients of one factory in this process, started together."""
+    if threads == 1 and ready is None:
+        return run_client(factory, first_client, shared, seconds)
+    results: list[Sample] = []
+    barrier = threading.Barrier(threads + 1)
+
+    def thread_main(client: int) -> None:
+        barrier.wait()
+        results.append(run_client(factory, client, shared, seconds))
+
+    pool = [threading.Thread(target=thread_main, args=(first_client + i,)) for i in range(threads)]
+    for t in pool:
+        t.start()
+    if ready is not None:
+        ready()  # e.g. wait until every process of a pool is ready too
+    barrier.wait()
+    for t in pool:
+        t.join()
+    total = Sample()
+    for sample in results:
+        total.merge(sample)
+    return total
 
 
-def measure(setup: Callable[[], MethodFactory], mode: str, shared: bool, seconds: float) -> Sample:
-    """Run one scenario: ``mode`` is ``"1 client"``, ``"8 threads"`` or ``"4 processes"``.
+def _setup_id(setup: Callable[[], MethodFactory]) -> bytes:
+    return pickle.dumps(setup)
+
+
+def _pool_worker(index: int, inbox: Any, out: Any, start: Any) -> None:
+    """A pool process: run the tasks it is sent, keeping each method's setup."""
+    factories: dict[bytes, MethodFactory] = {}
+    while True:
+        task = inbox.get()
+        if task is None:
+            return
+        setup, threads, shared, seconds = task
+        error = None
+        try:
+            key = _setup_id(setup)
+            if key not in factories:
+                factories[key] = setup()
+            factory = factories[key]
+        except Exception:
+            error = traceback.format_exc()
+        if error is not None:
+            start.wait(timeout=600)  # let the others go on; the caller raises
+            out.put(error)
+            continue
+        sample = run_threads(
+            factory,
+            index * threads,
+            threads,
+            shared,
+            seconds,
+            ready=lambda: start.wait(timeout=600),
+        )
+        out.put(sample)
+
+
+class ClientPool:
+    """``processes`` spawned processes kept for a whole run.
+
+    Spawning (and importing Django, drivers and clients in) a process costs about a
+    second of CPU; a pool pays it once, not once per method and round. Each process
+    keeps the factory its ``setup`` returned, the way a long-lived worker would.
+    """
+
+    def __init__(self, processes: int) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self.processes = processes
+        self.inboxes = [ctx.Queue() for _ in range(processes)]
+        self.out = ctx.Queue()
+        self.start = ctx.Barrier(processes)
+        self.procs = [
+            ctx.Process(
+                target=_pool_worker, args=(i, self.inboxes[i], self.out, self.start), daemon=True
+            )
+            for i in range(processes)
+        ]
+        for p in self.procs:
+            p.start()
+
+    def run(
+        self, setup: Callable[[], MethodFactory], threads: int, shared: bool, seconds: float
+    ) -> Sample:
+        for inbox in self.inboxes:
+            inbox.put((setup, threads, shared, seconds))
+        total = Sample()
+        errors = []
+        for _ in self.procs:
+            result = self.out.get(timeout=seconds * 10 + 600)
+            if isinstance(result, str):
+                errors.append(result)
+            else:
+                total.merge(result)
+        if errors:
+            raise RuntimeError(f"setup failed in a pool process:\n{errors[0]}")
+        return total
+
+    def close(self) -> None:
+        for inbox in self.inboxes:
+            inbox.put(None)
+        for p in self.procs:
+            p.join(30)
+            if p.is_alive():
+                p.terminate()
+                p.join(5)
+
+
+def measure(
+    setup: Callable[[], MethodFactory],
+    mode: str,
+    shared: bool,
+    seconds: float,
+    pool: ClientPool | None = None,
+) -> Sample:
+    """Run one scenario (see ``parse_mode`` for ``mode``).
 
     ``setup`` is called once per process (it must be picklable for processes: a
-    module-level function or a ``functools.partial`` of one).
+    module-level function or a ``functools.partial`` of one). Process modes run on
+    ``pool`` when given (of that many processes), else on a pool made for this call.
     """
-    total = Sample()
-    if mode == "1 client":
-        total.merge(run_client(setup(), 0, shared, seconds))
-        return total
-    if mode == "8 threads":
-        factory = setup()
-        results: list[Sample] = []
-        barrier = threading.Barrier(8)
-
-        def thread_main(client: int) -> None:
-            barrier.wait()
-            results.append(run_client(factory, client, shared, seconds))
-
-        threads = [threading.Thread(target=thread_main, args=(i,)) for i in range(8)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        for sample in results:
-            total.merge(sample)
-        return total
-    ctx = multiprocessing.get_context("spawn")
-    start, out = ctx.Barrier(4), ctx.Queue()
-    procs = [
-        ctx.Process(target=_process_main, args=(setup, i, shared, seconds, start, out))
-        for i in range(4)
-    ]
-    for p in procs:
-        p.start()
-    for _ in procs:
-        total.merge(out.get(timeout=seconds * 10 + 120))
-    for p in procs:
-        p.join()
-    return total
+    processes, threads = parse_mode(mode)
+    if processes == 0:
+        return run_threads(setup(), 0, threads, shared, seconds)
+    if pool is not None and pool.processes == processes:
+        return pool.run(setup, threads, shared, seconds)
+    own = ClientPool(processes)
+    try:
+        return own.run(setup, threads, shared, seconds)
+    finally:
+        own.close()
 
 
 def run_matrix(
     methods: dict[str, Callable[[str], MethodFactory]],
-    target: str,
-    modes: str,
+    target: Any,
+    modes: str | list[str],
     rounds: int,
     seconds: float,
 ) -> list[tuple[str, str, str, Sample]]:
     """Every method x mode x (distinct, shared) keys, methods interleaved ``rounds``
     times per scenario so that drift of a shared machine hits them alike.
 
-    ``target`` is what each method's setup connects to (URL, port, host).
+    ``target`` is what each method's setup connects to (URL, port, host). Process
+    modes share one pool of processes per process count for the whole matrix.
     """
     import functools
 
+    mode_list = modes.split(",") if isinstance(modes, str) else list(modes)
+    pools: dict[int, ClientPool] = {}
     rows: list[tuple[str, str, str, Sample]] = []
-    for mode in modes.split(","):
-        for shared in (False, True):
-            samples = {name: Sample() for name in methods}
-            for _ in range(rounds):
-                for name, method in methods.items():
-                    setup = functools.partial(method, target)
-                    samples[name].merge(measure(setup, mode, shared, seconds / rounds))
-            for name, sample in samples.items():
-                rows.append((mode, "shared" if shared else "distinct", name, sample))
+    try:
+        for mode in mode_list:
+            processes, _ = parse_mode(mode)
+            if processes and processes not in pools:
+                pools[processes] = ClientPool(processes)
+            for shared in (False, True):
+                samples = {name: Sample() for name in methods}
+                for _ in range(rounds):
+                    for name, method in methods.items():
+                        setup = functools.partial(method, target)
+                        samples[name].merge(
+                            measure(setup, mode, shared, seconds / rounds, pools.get(processes))
+                        )
+                for name, sample in samples.items():
+                    rows.append((mode, "shared" if shared else "distinct", name, sample))
+    finally:
+        for pool in pools.values():
+            pool.close()
     return rows
 
 

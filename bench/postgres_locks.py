@@ -199,8 +199,16 @@ METHODS = {"syncguard": syncguard, "floor": floor, "seeds": seeds, "advisory": a
 
 
 # ------------------------------------------------------------------- memory
-def memory_per_lock(port: int, count: int) -> tuple[float, dict[str, int]]:
-    """Bytes one held lock adds (lock row + its indexes + its fence row + its index)."""
+def memory_per_lock(port: int, count: int) -> tuple[float, dict[str, int], float]:
+    """Bytes one held lock adds: (by the main forks of the tables and their indexes,
+    that sum by relation, by ``pg_total_relation_size`` of the two tables).
+
+    The total also counts what the main forks do not: the free-space and visibility
+    maps VACUUM creates, and TOAST (empty here). Both are measured from tables emptied
+    by ``TRUNCATE`` + ``VACUUM FULL`` to the same tables holding ``count`` locks on
+    distinct keys after a plain ``VACUUM`` (acquire only inserts: no dead rows to
+    reclaim, the maps are written).
+    """
     setup_django(port)
     from django.db import connection
 
@@ -211,15 +219,16 @@ def memory_per_lock(port: int, count: int) -> tuple[float, dict[str, int]]:
         cursor.execute("TRUNCATE syncguard_locks, syncguard_fence_counters")
         cursor.execute("VACUUM FULL syncguard_locks")
         cursor.execute("VACUUM FULL syncguard_fence_counters")
-        before = _sizes(cursor)
+        before, total_before = _sizes(cursor), _total_size(cursor)
     for n in range(count):
         assert backend.acquire(f"invoice:{n:07d}", 3_600_000).ok
+    backend.close()
     with connection.cursor() as cursor:
         cursor.execute("VACUUM syncguard_locks")
         cursor.execute("VACUUM syncguard_fence_counters")
-        after = _sizes(cursor)
+        after, total_after = _sizes(cursor), _total_size(cursor)
     delta = {name: after[name] - before[name] for name in after}
-    return sum(delta.values()) / count, delta
+    return sum(delta.values()) / count, delta, (total_after - total_before) / count
 
 
 def _sizes(cursor) -> dict[str, int]:
@@ -229,6 +238,14 @@ def _sizes(cursor) -> dict[str, int]:
         "AND c.relname LIKE 'syncguard%%'"
     )
     return dict(cursor.fetchall())
+
+
+def _total_size(cursor) -> int:
+    cursor.execute(
+        "SELECT pg_total_relation_size('syncguard_locks') "
+        "+ pg_total_relation_size('syncguard_fence_counters')"
+    )
+    return int(cursor.fetchone()[0])
 
 
 # --------------------------------------------------------------------- main
@@ -268,10 +285,12 @@ def main() -> None:
         )
         rows = run_matrix(METHODS, server.port, args.modes, args.rounds, args.seconds)
         print_table("acquire + release cycles", rows, args.seconds, baseline="floor", also="seeds")
-        per_lock, delta = memory_per_lock(server.port, args.memory_locks)
+        per_lock, delta, total = memory_per_lock(server.port, args.memory_locks)
         print(
             f"\n## memory\n\n{args.memory_locks:,} held locks on distinct keys: "
-            f"{per_lock:.0f} bytes per lock (rows, indexes and fence counter), by relation:"
+            f"{per_lock:.0f} bytes per lock (rows, indexes and fence counter; "
+            f"{total:.0f} B by pg_total_relation_size, with the free-space and visibility "
+            "maps), by relation:"
         )
         for name, size in sorted(delta.items()):
             print(f"- {name}: {size / args.memory_locks:.0f} B")

@@ -80,9 +80,13 @@ def redis_py_lock(url: str) -> MethodFactory:
 
 
 def python_redis_lock(url: str) -> MethodFactory:
+    import logging
+
     import redis
     import redis_lock
 
+    # It logs a warning for every busy non-blocking acquire: thousands a second.
+    logging.getLogger("redis_lock").setLevel(logging.ERROR)
     client = redis.Redis.from_url(url)
 
     def factory(n: int):
