@@ -37,6 +37,16 @@ def _start_redis() -> RedisServer:
 def _start_firestore() -> FirestoreEmulator:
     server = FirestoreEmulator().start()
     os.environ["FIRESTORE_EMULATOR_HOST"] = server.host
+    # The emulator's first request takes seconds (JVM warm-up), more than the tests'
+    # operation timeouts: make it here, once, with a long timeout.
+    from django_syncguard.backends.firestore import FirestoreBackend
+
+    options = {"PROJECT": "syncguard-test", "OPERATION_TIMEOUT_MS": 60_000}
+    warm_up = FirestoreBackend("warm-up", {"OPTIONS": options})
+    try:
+        warm_up.now_ms()
+    finally:
+        warm_up.close()
     return server
 
 

@@ -274,8 +274,9 @@ def test_is_locked_never_writes_without_cleanup(rh):
 @pytest.mark.parametrize(
     ("params", "message"),
     [
-        ({"LOCATION": "redis://x", "KEY_PREFIX": ""}, "KEY_PREFIX must not be empty"),
-        ({"LOCATION": "redis://x", "KEY_PREFIX": ":::"}, "KEY_PREFIX must not be empty"),
+        ({"LOCATION": "redis://x", "KEY_PREFIX": ""}, "KEY_PREFIX must be non-empty"),
+        ({"LOCATION": "redis://x", "KEY_PREFIX": ":::"}, "KEY_PREFIX must be non-empty"),
+        ({"LOCATION": "redis://x", "KEY_PREFIX": "a#id"}, "free of '#'"),
         ({}, "LOCATION must be a redis:// URL"),
         ({"LOCATION": "http://nope"}, "is not a redis URL"),
         ({"LOCATION": "redis://x", "OPTIONS": {"MAX_CONNECTIONS": 0}}, "MAX_CONNECTIONS"),

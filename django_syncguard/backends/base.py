@@ -94,7 +94,7 @@ def validate_ttl(ttl_ms: object) -> int:
         raise InvalidArgument(f"ttl_ms must be an int number of milliseconds, not {ttl_ms!r}.")
     if not 0 < ttl_ms <= MAX_TTL_MS:
         raise InvalidArgument(f"ttl_ms must be between 1 and {MAX_TTL_MS}, not {ttl_ms}.")
-    return ttl_ms
+    return int(ttl_ms)  # a plain int: drivers refuse int subclasses such as IntEnum
 
 
 def _validated_prefix(prefix: object) -> str:
@@ -113,8 +113,12 @@ def _validated_count(value: object, name: str, maximum: int) -> int:
 
 
 def option_ms(options: Mapping[str, Any], name: str, default: int) -> int:
-    """Read a positive millisecond option, e.g. ``OPERATION_TIMEOUT_MS``."""
-    return positive_int_option(options, name, default, unit=" (ms)")
+    """Read a positive millisecond option, e.g. ``OPERATION_TIMEOUT_MS``, of at most
+    ``MAX_TTL_MS`` (beyond it, drivers' second-based timeouts overflow)."""
+    value = positive_int_option(options, name, default, unit=" (ms)")
+    if value > MAX_TTL_MS:
+        raise InvalidArgument(f"OPTIONS[{name!r}] must be at most {MAX_TTL_MS} ms, not {value}.")
+    return value
 
 
 def positive_int_option(
@@ -158,8 +162,15 @@ class BaseLockBackend:
         prefix = params.get("KEY_PREFIX", "syncguard")
         if not isinstance(prefix, str):
             raise InvalidArgument(f"KEY_PREFIX must be a str, not {type(prefix).__name__}.")
+        try:
+            prefix.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise InvalidArgument("KEY_PREFIX is not valid Unicode (a lone surrogate).") from exc
         self.key_prefix: str = prefix
-        self.options: dict[str, Any] = dict(params.get("OPTIONS") or {})
+        options = params.get("OPTIONS")
+        if options is not None and not isinstance(options, Mapping):
+            raise InvalidArgument(f"OPTIONS must be a dict, not {type(options).__name__}.")
+        self.options: dict[str, Any] = dict(options or {})
         unknown = set(self.options) - self.known_options
         if unknown:
             raise InvalidArgument(
@@ -279,7 +290,7 @@ class BaseLockBackend:
         on Redis, somewhat more. For operators' tools: records carry raw keys and lock
         ids, which must never be shown as they are.
         """
-        prefix = _validated_prefix(prefix)
+        prefix = self._storable(_validated_prefix(prefix))
         if cursor is not None and not isinstance(cursor, str):
             raise InvalidArgument(f"cursor must be a str from a previous page, not {cursor!r}.")
         limit = _validated_count(limit, "limit", MAX_PAGE_SIZE)
@@ -316,7 +327,7 @@ class BaseLockBackend:
         An operator's tool: the holder is not told and its fenced writes keep being
         accepted until someone else takes the lock and writes with a newer fence.
         """
-        key = normalize_and_validate_key(key)
+        key = self._storable(normalize_and_validate_key(key))
         if not isinstance(lock_id_hash, str):
             raise InvalidArgument("lock_id_hash must be the str shown by the inspector.")
         record = self._lookup_by_key(key, None)
@@ -396,6 +407,11 @@ class BaseLockBackend:
         return await sync_to_async(fn, thread_sensitive=True)(*args)
 
     # ------------------------------------------------------------ shared checks
+    def _storable(self, key: str) -> str:
+        """``key`` if this backend's storage can hold it; a backend with a narrower
+        alphabet than the contract's raises ``InvalidArgument`` (before any I/O)."""
+        return key
+
     def _cleanup_cutoff(self, now_ms: int) -> int:
         """Records that expired before this instant may be deleted by cleanup."""
         return now_ms - CLEANUP_GUARD_MS[self.time_authority]
@@ -403,7 +419,7 @@ class BaseLockBackend:
     def _key_args(
         self, key: Any, cancel: Any, ttl_ms: Any = _NO_TTL
     ) -> tuple[str, int, CancelToken | None]:
-        key = normalize_and_validate_key(key)
+        key = self._storable(normalize_and_validate_key(key))
         ttl = 0 if ttl_ms is _NO_TTL else validate_ttl(ttl_ms)
         cancel = validate_cancel(cancel)
         check_cancel(cancel, {"key": key})

@@ -26,6 +26,8 @@ import threading
 import weakref
 from collections.abc import Callable, Mapping
 from contextlib import suppress
+from functools import partial
+from inspect import signature
 from typing import Any, ClassVar, TypeVar, cast
 
 from django.db import DEFAULT_DB_ALIAS, connections
@@ -260,6 +262,8 @@ class DatabaseBackend(BaseLockBackend):
         if wrapper is None:
             source = connections[self.database]
             wrapper = type(source)(self._private_settings(source.settings_dict), self.database)
+            if self.vendor == "postgresql":
+                _bound_replies(wrapper, self.operation_timeout_ms / 1000 + REPLY_MARGIN_S)
             self._local.connection = wrapper
             self._open.add(wrapper)
             # Thread-per-request servers start and end threads all the time: close a
@@ -330,6 +334,16 @@ class DatabaseBackend(BaseLockBackend):
         )
 
     # ----------------------------------------------------------------- helpers
+    def _storable(self, key: str) -> str:
+        # PostgreSQL's text type cannot hold U+0000 at all (psycopg refuses to send it).
+        if self.vendor == "postgresql" and "\x00" in key:
+            raise InvalidArgument(
+                "The database backend on PostgreSQL cannot store keys (or prefixes) that "
+                "contain NUL (U+0000): PostgreSQL text has no NUL. Encode such keys first.",
+                context={"key": key},
+            )
+        return key
+
     @staticmethod
     def storage_key(key: str) -> str:
         """The primary key of ``key``'s lock row."""
@@ -522,6 +536,31 @@ class DatabaseBackend(BaseLockBackend):
         from asgiref.sync import sync_to_async
 
         return await sync_to_async(fn, thread_sensitive=False)(*args)
+
+
+#: How much longer than OPERATION_TIMEOUT_MS the client waits for a reply: the
+#: server's own statement_timeout answers first (and keeps the connection usable).
+REPLY_MARGIN_S = 1.0
+
+
+def _bound_replies(wrapper: BaseDatabaseWrapper, timeout_s: float) -> None:
+    """Make each wait for the server on ``wrapper``'s psycopg connections end after
+    ``timeout_s``: a server, pooler or network path that accepts bytes and never
+    answers must not hang a lock call. ``statement_timeout`` needs a server that
+    runs the statement, and ``tcp_user_timeout`` and keepalives a peer that stops
+    acknowledging. psycopg 3.2+ bounds ``Connection.wait`` (raising "wait timeout
+    expired", a ``NetworkTimeout``; ``_run`` then closes the connection); with other
+    drivers nothing changes."""
+    new_connection = wrapper.get_new_connection
+
+    def get_new_connection(conn_params: Any) -> Any:
+        raw = new_connection(conn_params)
+        wait = getattr(raw, "wait", None)
+        if wait is not None and {"interval", "timeout"} <= set(signature(wait).parameters):
+            raw.wait = partial(wait, timeout=timeout_s)
+        return raw
+
+    wrapper.get_new_connection = get_new_connection  # type: ignore[method-assign]
 
 
 def _close_quietly(wrapper: BaseDatabaseWrapper) -> None:

@@ -101,6 +101,7 @@ def validate_collection(name: Any, option: str) -> str:
         or not _COLLECTION_ID.fullmatch(name)
         or name in (".", "..")
         or _RESERVED_ID.fullmatch(name)
+        or any("\ud800" <= char <= "\udfff" for char in name)  # not valid Unicode
         or len(name.encode()) > 1500
     ):
         raise InvalidArgument(

@@ -56,7 +56,12 @@ class MemoryBackend(BaseLockBackend):
         super().__init__(alias, params)
         clock = self.options.get("CLOCK", system_clock_ms)
         if isinstance(clock, str):
-            clock = import_string(clock)
+            try:
+                clock = import_string(clock)
+            except Exception as exc:  # ImportError, or ValueError/TypeError for "." paths
+                raise InvalidArgument(
+                    f"OPTIONS['CLOCK'] = {clock!r} cannot be imported: {exc}"
+                ) from exc
         if not callable(clock):
             raise InvalidArgument("OPTIONS['CLOCK'] must be a callable returning Unix ms.")
         self.clock: Clock = clock

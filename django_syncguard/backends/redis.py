@@ -300,13 +300,15 @@ class RedisBackend(BaseLockBackend):
 
     def __init__(self, alias: str = "default", params: Mapping[str, Any] | None = None) -> None:
         super().__init__(alias, params)
-        if not self.location:
+        if not self.location or not isinstance(self.location, str):
             raise InvalidArgument(f"Lock backend {alias!r}: LOCATION must be a redis:// URL.")
         self.prefix = self.key_prefix.rstrip(":")
-        if not self.prefix:
+        if not self.prefix or "#" in self.prefix:
+            # With "#" allowed, the index key "a#id:<id>" of prefix "a" would be a lock
+            # key of prefix "a#id" on the same server.
             raise InvalidArgument(
-                "KEY_PREFIX must not be empty for Redis: it keeps lock keys apart from "
-                "the lock-id index."
+                "KEY_PREFIX must be non-empty and free of '#' for Redis: it keeps lock "
+                f"keys apart from the lock-id index (got {self.key_prefix!r})."
             )
         max_connections = positive_int_option(
             self.options, "MAX_CONNECTIONS", DEFAULT_MAX_CONNECTIONS
