@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import json
 import os
 import pwd
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -153,6 +156,32 @@ class PostgresServer:
             "PORT": str(self.port),
         }
 
+    # -- fault injection (tests/test_faults.py, on clusters of its own) ------------
+    def kill(self) -> None:
+        """SIGKILL the postmaster and every process of the cluster, as a crash would.
+
+        The postmaster is frozen first so that it cannot fork a backend meanwhile.
+        Nothing reaps the orphaned postmaster here (PID 1 may not), and a zombie still
+        passes the lock files' liveness test: the stale ``postmaster.pid``, the socket's
+        lock file and the SysV interlock segment are removed, as a reboot would have."""
+        pid_file = self.data_dir / "postmaster.pid"
+        lines = pid_file.read_text().splitlines()
+        postmaster = int(lines[0])
+        os.kill(postmaster, signal.SIGSTOP)
+        victims = [*process_children(postmaster), postmaster]
+        for pid in victims:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        wait_until_dead(victims, 30)
+        pid_file.unlink()
+        (self.root / f".s.PGSQL.{self.port}.lock").unlink(missing_ok=True)
+        if len(lines) > 6 and len(lines[6].split()) == 2:
+            subprocess.run(["ipcrm", "-m", lines[6].split()[1]], capture_output=True, check=False)
+
+    def start_again(self) -> None:
+        """Start the stopped or killed cluster on the same port and data directory."""
+        self._ctl("start", "-w", "-t", "60", "-l", str(self.log_file), "-o", self._opts())
+
 
 @dataclass
 class RedisServer:
@@ -231,6 +260,14 @@ class RedisServer:
         except OSError:
             return "(no log)"
 
+    # -- fault injection (tests/test_faults.py, on servers of its own) -------------
+    def kill(self) -> None:
+        """SIGKILL redis-server: no final AOF flush, no shutdown save."""
+        if self.process is not None:
+            self.process.kill()
+            self.process.wait(10)
+        self.process = None
+
 
 @dataclass
 class FirestoreEmulator:
@@ -239,6 +276,8 @@ class FirestoreEmulator:
     port: int = 0
     root: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="syncguard-fs-")))
     process: subprocess.Popen[bytes] | None = None
+    #: An ``.overall_export_metadata`` file to load at start (see ``export``).
+    import_data: Path | None = None
 
     @property
     def host(self) -> str:
@@ -248,10 +287,13 @@ class FirestoreEmulator:
         gcloud = shutil.which("gcloud")
         if gcloud is None:
             raise ServerUnavailable("gcloud is not installed (Firestore emulator)")
-        self.port = free_port()
+        self.port = self.port or free_port()  # a restart keeps its port
+        argv = [gcloud, "emulators", "firestore", "start", f"--host-port={self.host}", "--quiet"]
+        if self.import_data is not None:
+            argv.append(f"--import-data={self.import_data}")
         log = (self.root / "emulator.log").open("wb")
         self.process = subprocess.Popen(
-            [gcloud, "emulators", "firestore", "start", f"--host-port={self.host}", "--quiet"],
+            argv,
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -292,3 +334,80 @@ class FirestoreEmulator:
             return (self.root / "emulator.log").read_text(errors="replace")[-2000:]
         except OSError:
             return "(no log)"
+
+    # -- fault injection (tests/test_faults.py, on emulators of its own) -----------
+    def export(self, project: str) -> Path:
+        """Export every document of ``project`` now; return the metadata file that
+        ``import_data`` takes. (``--export-on-exit`` of this emulator version writes
+        nothing here, whatever signal stops it; the emulator's export endpoint does.)"""
+        target = Path(tempfile.mkdtemp(prefix="export-", dir=self.root))
+        database = f"projects/{project}/databases/(default)"
+        body = {"database": database, "export_directory": str(target)}
+        request = urllib.request.Request(
+            f"http://{self.host}/emulator/v1/projects/{project}:export",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+            method="POST",
+        )
+        with urllib.request.urlopen(request, timeout=60) as response:
+            response.read()
+        [metadata] = target.glob("*/*.overall_export_metadata")
+        return metadata
+
+    def kill(self) -> None:
+        """SIGKILL the emulator (gcloud, its shell and the JVM): nothing is saved."""
+        if self.process is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(10)
+        self.process = None
+        wait_for_port_free(self.port, 30)
+
+    def stop_and_wait(self) -> None:
+        """``stop`` and wait until the JVM has let go of the port (for a restart)."""
+        self.stop()
+        wait_for_port_free(self.port, 30)
+
+
+# -- fault injection helpers ---------------------------------------------------------
+def process_children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (from ``/proc``)."""
+    children = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                children.append(int(entry))
+    return children
+
+
+def running(pid: int) -> bool:
+    """Whether ``pid`` still runs (a zombie does not: PID 1 may never reap it)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+
+
+def wait_until_dead(pids: list[int], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while any(running(pid) for pid in pids):
+        if time.monotonic() > deadline:
+            raise ServerUnavailable(f"processes {pids} still run after {timeout_s} s")
+        time.sleep(0.02)
+
+
+def wait_for_port_free(port: int, timeout_s: float) -> None:
+    """Wait until nothing accepts connections on 127.0.0.1:``port``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.settimeout(0.2)
+            if sock.connect_ex(("127.0.0.1", port)) != 0:
+                return
+        time.sleep(0.05)
+    raise ServerUnavailable(f"127.0.0.1:{port} still accepts connections after {timeout_s} s")
