@@ -54,6 +54,8 @@ _MS = dt.timedelta(milliseconds=1)
 #: Attempts of a release or extend whose guarded write found the lock changed since
 #: its read (e.g. renewed by auto-extend at that instant). Each starts over.
 CONFLICT_ATTEMPTS = 5
+#: Firestore's limit of writes in one batched write.
+MAX_WRITES_PER_BATCH = 500
 
 #: Above every character in Firestore's (UTF-8 byte) string order: the end of a prefix range.
 _LAST_CHAR = "\U0010ffff"
@@ -326,26 +328,30 @@ class FirestoreBackend(BaseLockBackend):
             ok=True, lock_id=lock_id, expires_at_ms=expires, fence=format_fence(fence)
         )
 
-    # If a guard fails, another client took or changed this lock (or its counter)
-    # between our read and our write: nothing was written, and that is contention.
+    # If a guard fails, the lock or its counter changed between our read and our
+    # write, and nothing was written. Usually another client took the lock: the next
+    # read sees it live and answers "locked". But cleanup deleting the expired document
+    # also fails the guard, and then the key is free: so read again rather than guess.
     def _acquire(self, key: str, ttl_ms: int, cancel: CancelToken | None) -> AcquireResult:
         refs = self._refs(key)
-        snaps = self._call(lambda: list(self.client.get_all(list(refs))))
-        batch = self.client.batch()
-        result = self._plan_acquire(batch, key, ttl_ms, snaps, refs, cancel)
-        if result.ok and not self._commit(batch):
-            return AcquireResult.locked()
-        return result
+        for _ in range(CONFLICT_ATTEMPTS):
+            snaps = self._call(lambda: list(self.client.get_all(list(refs))))
+            batch = self.client.batch()
+            result = self._plan_acquire(batch, key, ttl_ms, snaps, refs, cancel)
+            if not result.ok or self._commit(batch):
+                return result
+        return AcquireResult.locked()  # the lock kept changing under us: contention
 
     async def _aacquire(self, key: str, ttl_ms: int, cancel: CancelToken | None) -> AcquireResult:
         client = self.aclient()
         refs = self._refs(key, client)
-        snaps = await self._acall(_collect(client.get_all(list(refs))))
-        batch = client.batch()
-        result = self._plan_acquire(batch, key, ttl_ms, snaps, refs, cancel)
-        if result.ok and not await self._acommit(batch):
-            return AcquireResult.locked()
-        return result
+        for _ in range(CONFLICT_ATTEMPTS):
+            snaps = await self._acall(_collect(client.get_all(list(refs))))
+            batch = client.batch()
+            result = self._plan_acquire(batch, key, ttl_ms, snaps, refs, cancel)
+            if not result.ok or await self._acommit(batch):
+                return result
+        return AcquireResult.locked()
 
     @staticmethod
     def _live(snap: Any, now: int) -> bool:
@@ -563,7 +569,9 @@ class FirestoreBackend(BaseLockBackend):
         return int(result[0][0].value)
 
     def _delete_expired_batch(self, batch_size: int) -> int:
-        query = self._expired_query(self._cleanup_cutoff(self.now_ms())).limit(batch_size)
+        # Firestore takes at most 500 writes per batched write.
+        size = min(batch_size, MAX_WRITES_PER_BATCH)
+        query = self._expired_query(self._cleanup_cutoff(self.now_ms())).limit(size)
         snaps = self._call(lambda: list(query.stream()))
         if not snaps:
             return 0

@@ -512,7 +512,7 @@ class RedisBackend(BaseLockBackend):
         return f"{_glob_escape(self.prefix)}:{_glob_escape(prefix)}*"
 
     def _list_locks(self, prefix: str, cursor: str | None, limit: int) -> LockPage:
-        if cursor is not None and not cursor.isdigit():
+        if cursor is not None and not (cursor.isascii() and cursor.isdigit()):
             raise InvalidArgument("cursor is not one this backend returned.")
         position, match = int(cursor or 0), self._pattern(prefix)
         records: list[LockRecord] = []
