@@ -329,3 +329,16 @@ def print_table(
             line += f" {percentile_us(values, 50):,.0f} | {percentile_us(values, 99):,.0f} |"
         line += f" {sample.attempts / seconds:,.0f} | {sample.errors} |"
         print(line, flush=True)
+
+
+def create_bench_database(port: int) -> str:
+    """Create the database ``bench`` on the loopback PostgreSQL at ``port``; return the
+    server's version."""
+    import psycopg
+
+    with psycopg.connect(
+        host="127.0.0.1", port=port, user="postgres", dbname="postgres", autocommit=True
+    ) as admin:
+        admin.execute("CREATE DATABASE bench")
+        row = admin.execute("SHOW server_version").fetchone()
+    return str(row[0]) if row else "?"

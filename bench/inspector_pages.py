@@ -35,7 +35,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.common import machine  # noqa: E402
+from bench.common import create_bench_database, machine  # noqa: E402
 from tests.servers import PostgresServer, RedisServer  # noqa: E402
 
 HOUR_MS = 3_600_000
@@ -158,14 +158,9 @@ def main() -> None:
     rs = RedisServer().start()
     tmp = tempfile.mkdtemp(prefix="syncguard-bench-")
     try:
-        import psycopg
         import redis
 
-        with psycopg.connect(
-            host="127.0.0.1", port=pg.port, user="postgres", dbname="postgres", autocommit=True
-        ) as admin:
-            admin.execute("CREATE DATABASE bench")
-            pg_version = admin.execute("SHOW server_version").fetchone()[0]
+        pg_version = create_bench_database(pg.port)
         setup_django(pg.port, os.path.join(tmp, "bench.sqlite3"))
         from django.core.management import call_command
 

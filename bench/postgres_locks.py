@@ -31,7 +31,13 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.common import MethodFactory, machine, print_table, run_matrix  # noqa: E402
+from bench.common import (  # noqa: E402
+    MethodFactory,
+    create_bench_database,
+    machine,
+    print_table,
+    run_matrix,
+)
 from tests.servers import PostgresServer  # noqa: E402
 
 NOW_MS = "floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint"
@@ -266,10 +272,7 @@ def main() -> None:
     try:
         import psycopg
 
-        with psycopg.connect(
-            host="127.0.0.1", port=server.port, user="postgres", dbname="postgres", autocommit=True
-        ) as admin:
-            admin.execute("CREATE DATABASE bench")
+        create_bench_database(server.port)
         setup_django(server.port)
         from django.core.management import call_command
 

@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench import firestore_locks, postgres_locks, redis_locks  # noqa: E402
-from bench.common import Sample, percentile_us, run_matrix  # noqa: E402
+from bench.common import Sample, create_bench_database, percentile_us, run_matrix  # noqa: E402
 
 #: Concurrent clients -> how they run (see ``bench.common.parse_mode``).
 MODES = {1: "1 client", 8: "8 processes", 32: "8 processes x 4 threads"}
@@ -254,17 +254,11 @@ def run_redis(section: Section, args: argparse.Namespace) -> None:
 
 
 def run_postgres(section: Section, args: argparse.Namespace) -> None:
-    import psycopg
-
     from tests.servers import PostgresServer
 
     server = PostgresServer(settings=()).start()  # durable defaults
     try:
-        with psycopg.connect(
-            host="127.0.0.1", port=server.port, user="postgres", dbname="postgres", autocommit=True
-        ) as admin:
-            admin.execute("CREATE DATABASE bench")
-            pg_version = admin.execute("SHOW server_version").fetchone()[0]
+        pg_version = create_bench_database(server.port)
         postgres_locks.setup_django(server.port)
         from django.core.management import call_command
 
