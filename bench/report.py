@@ -441,11 +441,11 @@ def write_markdown(
         f"| machine load | at the start: {load_start}; at the end: {load_end}; "
         "before each backend: below |",
         "",
-        "The machine was shared: other engineers' test suites (each starting its own "
-        "PostgreSQL, Redis and Firestore emulator) ran during this report, so absolute "
-        "figures are noisy. The load figures above are sampled while the report itself "
-        "is idle (the 1-minute load average still carries some of its own previous "
-        "minute; during a run our own 32 client threads alone make it climb past 10). "
+        "This is a 2-core virtual machine whose neighbours' load varies, so absolute "
+        "figures are noisy from run to run. The load figures above are sampled while "
+        "the report itself is idle (the 1-minute load average still carries some of "
+        "its own previous minute; during a run our own 32 client threads alone make "
+        "it climb past 10). "
         "Compare the ratios within one table, which were measured side by side: the "
         "methods of one scenario run in interleaved rounds, so drift hits them alike.",
         "",
