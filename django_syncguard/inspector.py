@@ -123,10 +123,17 @@ def force_release(
             reason,
         )
         # Only the lock id's hash is known here (the raw id never left the backend).
-        outgoing = prepare(lock_force_released, backend, key=target.key, user=username)
-        for item in outgoing:
-            item.kwargs.update(lock_id_hash=target.lock_id_hash, fence=target.fence, reason=reason)
-        send(outgoing)
+        send(
+            prepare(
+                lock_force_released,
+                backend,
+                key=target.key,
+                lock_id_hash=target.lock_id_hash,
+                fence=target.fence,
+                user=username,
+                reason=reason,
+            )
+        )
     return result
 
 

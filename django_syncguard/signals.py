@@ -127,20 +127,24 @@ def prepare(
     *,
     key: str,
     lock_id: str | None = None,
+    lock_id_hash: str | None = None,
     fence: str | None = None,
     **extra: Any,
 ) -> list[Outgoing]:
     """``signal`` with the common keyword arguments plus ``extra``, as a list.
 
     The list is empty when nobody listens, so an unobserved lock hashes nothing.
-    ``lock_id_hash`` and ``fence`` are included when ``lock_id`` is given.
+    ``lock_id_hash`` and ``fence`` are included when ``lock_id`` is given (or only
+    its hash, where the raw lock id is not known, as in the inspector).
     """
     sender = type(backend)
     if not signal.has_listeners(sender):
         return []
     kwargs: dict[str, Any] = {"alias": backend.alias, "key_hash": hash_key(key)}
     if lock_id is not None:
-        kwargs["lock_id_hash"] = hash_key(lock_id)
+        lock_id_hash = hash_key(lock_id)
+    if lock_id_hash is not None:
+        kwargs["lock_id_hash"] = lock_id_hash
         kwargs["fence"] = fence
     kwargs.update(extra)
     return [Outgoing(signal, sender, kwargs)]
