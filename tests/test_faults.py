@@ -85,8 +85,12 @@ on_every_server = pytest.mark.parametrize("harness", ["postgres", "redis", "fire
 AFTER_DROP: dict[str, type[LockError] | None] = {
     "postgres": ServiceUnavailable,  # the dead connection is found by using it
     "redis": None,  # the pool checks an idle connection before handing it out
-    "firestore": None,  # gRPC saw the reset and reconnects
+    # gRPC usually saw the reset and reconnects; when it had not yet, the first call
+    # fails with UNAVAILABLE ("Stream removed") and the next one reconnects.
+    "firestore": None,
 }
+#: Backends whose first call after a drop may fail (once) with ServiceUnavailable.
+MAY_FAIL_ONCE_AFTER_DROP = {"firestore"}
 
 
 def assert_mapped(exc: BaseException, expected: type[LockError]) -> None:
@@ -146,6 +150,16 @@ class Proxied:
             return self.start(call).result(timeout=limit)
         except FutureTimeout:
             pytest.fail(f"the call hung for more than {limit} s")
+
+    def after_drop(self, call: Callable[[], Any]) -> Any:
+        """``call()`` right after a drop: on a backend that may notice the reset only
+        by using the connection, a first ``ServiceUnavailable`` is allowed, once."""
+        if self.kind in MAY_FAIL_ONCE_AFTER_DROP:
+            outcome, _ = self.timed(call)
+            if not isinstance(outcome, Exception):
+                return outcome
+            assert_mapped(outcome, ServiceUnavailable)
+        return self(call)
 
     def fails_within_bound(self, call: Callable[[], Any], expected: type[LockError]) -> None:
         outcome, elapsed = self.timed(call)
@@ -253,7 +267,7 @@ def test_a_stalled_server_fails_every_operation_within_the_timeout(harness, prox
     }
     for name, operation in operations.items():
         # A connection is open and idle, then the path goes silent.
-        assert proxied(lambda: backend.is_locked("stall")) is True, name
+        assert proxied.after_drop(lambda: backend.is_locked("stall")) is True, name
         proxy.stall()
         proxied.fails_within_bound(operation, NetworkTimeout)
         # Discard the held request (a resumed proxy would deliver it late: a timed-out
@@ -261,7 +275,7 @@ def test_a_stalled_server_fails_every_operation_within_the_timeout(harness, prox
         proxy.drop()
         proxy.resume()
     # The same backend object carries on: nothing stalled reached the server.
-    assert proxied(lambda: backend.lookup(key="stall")).fence == FIRST
+    assert proxied.after_drop(lambda: backend.lookup(key="stall")).fence == FIRST
     assert proxied(lambda: backend.release(held.lock_id)) == ReleaseResult(ok=True)
     assert proxied(lambda: backend.acquire("stall:other", 60_000)).fence == FIRST
 
@@ -278,7 +292,12 @@ async def test_a_stalled_server_fails_an_async_operation_within_the_timeout(harn
     assert_mapped(caught.value, NetworkTimeout)
     proxy.drop()
     proxy.resume()
-    assert (await backend.aacquire("stall", 60_000)).fence == FIRST
+    try:
+        again = await backend.aacquire("stall", 60_000)
+    except ServiceUnavailable:  # the reset noticed by using the connection, once
+        assert harness in MAY_FAIL_ONCE_AFTER_DROP
+        again = await backend.aacquire("stall", 60_000)
+    assert again.fence == FIRST
 
 
 @on_every_server
@@ -291,7 +310,7 @@ def test_dropped_connections_are_replaced_by_the_same_backend(harness, proxied):
     expected = AFTER_DROP[harness]
     if expected is not None:
         proxied.fails_within_bound(lambda: backend.is_locked("drop"), expected)
-    assert proxied(lambda: backend.is_locked("drop")) is True
+    assert proxied.after_drop(lambda: backend.is_locked("drop")) is True
     assert proxy.accepted > accepted  # on a new connection
 
     # Reset while a call waits for its reply: it fails at once, not at its timeout.
@@ -306,7 +325,7 @@ def test_dropped_connections_are_replaced_by_the_same_backend(harness, proxied):
     assert elapsed < TIMEOUT_MS / 1000
 
     # The request never reached the server; the backend carries on.
-    assert proxied(lambda: backend.acquire("drop:other", 60_000)).fence == FIRST
+    assert proxied.after_drop(lambda: backend.acquire("drop:other", 60_000)).fence == FIRST
     assert proxied(lambda: backend.release(held.lock_id)) == ReleaseResult(ok=True)
     assert proxied(lambda: backend.acquire("drop", 60_000)).fence == SECOND
 

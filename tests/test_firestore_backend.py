@@ -16,6 +16,7 @@ from django_syncguard import (
     InvalidArgument,
     NetworkTimeout,
     RateLimited,
+    ReleaseResult,
     ServiceUnavailable,
 )
 from django_syncguard.backends.firestore import (
@@ -74,11 +75,17 @@ def duplicate(fh, source_id: str, copy_id: str, **changes) -> None:
     coll.document(copy_id).set({**coll.document(source_id).get().to_dict(), **changes})
 
 
+def elsewhere(fh) -> FirestoreBackend:
+    """The same collections through another backend object, as another process sees
+    them: it never acquired these locks, so it resolves lock ids by query."""
+    return FirestoreBackend("elsewhere", fh.settings_entry)
+
+
 def test_expired_duplicate_is_removed_and_the_live_lock_released(fh):
     result = fh.firestore.acquire("dup", 60_000)
     expired_at = lock_docs(fh)["dup"]["expiresAtMs"] - 120_000
     duplicate(fh, "dup", "stale-copy", expiresAtMs=expired_at)
-    assert fh.firestore.release(result.lock_id).ok is True
+    assert elsewhere(fh).release(result.lock_id).ok is True
     assert lock_docs(fh) == {}  # the live one released, the expired copy cleaned up
 
 
@@ -86,10 +93,87 @@ def test_two_live_duplicates_fail_safe(fh, syncguard_log):
     result = fh.firestore.acquire("dup", 60_000)
     duplicate(fh, "dup", "live-copy")
     assert fh.firestore.extend(result.lock_id, 60_000).ok is False
-    assert fh.firestore.release(result.lock_id).ok is False
+    assert elsewhere(fh).release(result.lock_id).ok is False
     assert fh.firestore.lookup(lock_id=result.lock_id) is None
     assert set(lock_docs(fh)) == {"dup", "live-copy"}  # nothing mutated
     assert any("carry one lock id" in r.getMessage() for r in syncguard_log.records)
+
+
+# ----------------------------------------- release of a lock this object took
+class RunQueries:
+    """Counts the lock-id queries a backend builds (each one is streamed once)."""
+
+    def __init__(self, backend: FirestoreBackend, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.count = 0
+        original = backend._by_lock_id
+
+        def counted(*args, **kwargs):
+            self.count += 1
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(backend, "_by_lock_id", counted)
+
+
+def test_release_of_own_unchanged_lock_is_one_guarded_delete(fh, monkeypatch):
+    backend = fh.firestore
+    result = backend.acquire("own", 60_000)
+    queries = RunQueries(backend, monkeypatch)
+
+    assert backend.release(result.lock_id).ok is True
+
+    assert queries.count == 0
+    assert lock_docs(fh) == {}
+    assert backend.release(result.lock_id).reason == "not-found"  # now by query
+    assert queries.count == 1
+    assert backend.acquire("own", 60_000).fence == "000000000000002"
+
+
+def test_release_after_the_document_changed_takes_the_query(fh, monkeypatch):
+    backend = fh.firestore
+    result = backend.acquire("changed", 60_000)
+    assert elsewhere(fh).extend(result.lock_id, 90_000).ok is True  # not through us
+    queries = RunQueries(backend, monkeypatch)
+
+    assert backend.release(result.lock_id).ok is True
+
+    assert queries.count == 1  # the guarded delete failed; the query decided
+    assert lock_docs(fh) == {}
+
+
+def test_release_of_own_lock_after_it_expired_says_expired(fh, monkeypatch):
+    backend = fh.firestore
+    result = backend.acquire("lapsed", 1)
+    # Firestore's clock cannot be moved: wait on it until the lock is past its
+    # tolerance (about a second), then release the unchanged document.
+    while backend.now_ms() <= result.expires_at_ms + 1_000:
+        time.sleep(0.05)
+    queries = RunQueries(backend, monkeypatch)
+
+    assert backend.release(result.lock_id).reason == "expired"
+
+    assert queries.count == 0
+    assert lock_docs(fh) == {}  # removed, as cleanup would
+    assert backend.acquire("lapsed", 60_000).fence == "000000000000002"
+
+
+def test_a_rival_holder_is_never_released_by_a_remembered_lock(fh):
+    backend = fh.firestore
+    first = backend.acquire("rival", 1)
+    while backend.now_ms() <= first.expires_at_ms + 1_000:
+        time.sleep(0.05)
+    second = elsewhere(fh).acquire("rival", 60_000)
+    assert second.fence == "000000000000002"
+
+    assert backend.release(first.lock_id).reason == "not-found"
+
+    assert backend.lookup(key="rival").fence == "000000000000002"
+
+
+async def test_async_release_of_own_lock_skips_the_query(fh):
+    backend = fh.firestore
+    result = await backend.aacquire("own-async", 60_000)
+    assert await backend.arelease(result.lock_id) == ReleaseResult(ok=True)
+    assert lock_docs(fh) == {}
 
 
 # ------------------------------------------------------------- contention

@@ -18,7 +18,9 @@ import asyncio
 import datetime as dt
 import logging
 import re
+import threading
 import weakref
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping
 from functools import partial
 from typing import Any, ClassVar, TypeVar
@@ -56,6 +58,8 @@ _MS = dt.timedelta(milliseconds=1)
 CONFLICT_ATTEMPTS = 5
 #: Firestore's limit of writes in one batched write.
 MAX_WRITES_PER_BATCH = 500
+#: Locks this backend object acquired and still remembers (see ``_Held``).
+HELD_MEMORY = 10_000
 
 #: Above every character in Firestore's (UTF-8 byte) string order: the end of a prefix range.
 _LAST_CHAR = "\U0010ffff"
@@ -168,6 +172,7 @@ class FirestoreBackend(BaseLockBackend):
         self._async: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Any] = (
             weakref.WeakKeyDictionary()
         )
+        self._held = _Held()
 
     # --------------------------------------------------------------- clients
     def _client_options(self) -> dict[str, Any]:
@@ -338,7 +343,10 @@ class FirestoreBackend(BaseLockBackend):
             snaps = self._call(lambda: list(self.client.get_all(list(refs))))
             batch = self.client.batch()
             result = self._plan_acquire(batch, key, ttl_ms, snaps, refs, cancel)
-            if not result.ok or self._commit(batch):
+            if not result.ok:
+                return result
+            if self._commit(batch):
+                self._held.remember(result, refs[0].path, batch)
                 return result
         return AcquireResult.locked()  # the lock kept changing under us: contention
 
@@ -349,7 +357,10 @@ class FirestoreBackend(BaseLockBackend):
             snaps = await self._acall(_collect(client.get_all(list(refs))))
             batch = client.batch()
             result = self._plan_acquire(batch, key, ttl_ms, snaps, refs, cancel)
-            if not result.ok or await self._acommit(batch):
+            if not result.ok:
+                return result
+            if await self._acommit(batch):
+                self._held.remember(result, refs[0].path, batch)
                 return result
         return AcquireResult.locked()
 
@@ -455,16 +466,46 @@ class FirestoreBackend(BaseLockBackend):
             return ExtendResult(ok=True, expires_at_ms=outcome[1])
         return ExtendResult(ok=False, reason=outcome[0])  # type: ignore[arg-type]
 
+    # Release of a lock this object acquired and never saw change: one guarded delete,
+    # no query. The guard is the lock document's update time from our own acquire, so
+    # the delete applies only if the document is still exactly our lock; if anything
+    # changed it (an extend, a new holder), the guard fails, nothing is written, and
+    # the general path below decides. Liveness is judged at the commit's server time;
+    # a lock found expired is reported so, its document removed as cleanup would.
+    def _remembered_release(self, lock_id: str, client: Any) -> tuple[Any, Any] | None:
+        held = self._held.forget(lock_id)
+        if held is None:
+            return None
+        path, update_time, expires = held
+        batch = client.batch()
+        option = _firestore().Client.write_option(last_update_time=update_time)
+        batch.delete(client.document(path), option=option)
+        return batch, expires
+
+    @staticmethod
+    def _released_at(batch: Any, expires: int) -> ReleaseResult:
+        if is_live(expires, server_ms(batch.commit_time), TIME_TOLERANCE_MS):
+            return ReleaseResult(ok=True)
+        return ReleaseResult(ok=False, reason="expired")
+
     def _release(self, lock_id: str, cancel: CancelToken | None) -> ReleaseResult:
+        remembered = self._remembered_release(lock_id, self.client)
+        if remembered is not None and self._commit(remembered[0]):
+            return self._released_at(*remembered)
         return self._released(self._mutate(lock_id, cancel, self._delete))
 
     async def _arelease(self, lock_id: str, cancel: CancelToken | None) -> ReleaseResult:
+        remembered = self._remembered_release(lock_id, self.aclient())
+        if remembered is not None and await self._acommit(remembered[0]):
+            return self._released_at(*remembered)
         return self._released(await self._amutate(lock_id, cancel, self._delete))
 
     def _extend(self, lock_id: str, ttl_ms: int, cancel: CancelToken | None) -> ExtendResult:
+        self._held.forget(lock_id)  # the document changes: later releases take the query
         return self._extended(self._mutate(lock_id, cancel, self._renewal(ttl_ms)))
 
     async def _aextend(self, lock_id: str, ttl_ms: int, cancel: CancelToken | None) -> ExtendResult:
+        self._held.forget(lock_id)
         return self._extended(await self._amutate(lock_id, cancel, self._renewal(ttl_ms)))
 
     # ---------------------------------------------------------------- reads
@@ -604,6 +645,28 @@ class FirestoreBackend(BaseLockBackend):
                 I020.format(alias=self.alias, collection=self.collection), id="syncguard.I020"
             )
         ]
+
+
+class _Held:
+    """Locks this backend object acquired: lock id -> (document path, the update time
+    our acquire gave the document, expiry). Bounded (oldest forgotten first) and only
+    a shortcut: a lock not found here is released through the lock-id query."""
+
+    def __init__(self) -> None:
+        self._locks: OrderedDict[str, tuple[str, Any, int]] = OrderedDict()
+        self._mutex = threading.Lock()
+
+    def remember(self, result: AcquireResult, path: str, batch: Any) -> None:
+        lock_write = batch.write_results[-1]  # the lock document is written last
+        assert result.lock_id is not None and result.expires_at_ms is not None
+        with self._mutex:
+            self._locks[result.lock_id] = (path, lock_write.update_time, result.expires_at_ms)
+            if len(self._locks) > HELD_MEMORY:
+                self._locks.popitem(last=False)
+
+    def forget(self, lock_id: str) -> tuple[str, Any, int] | None:
+        with self._mutex:
+            return self._locks.pop(lock_id, None)
 
 
 def _streamed(query: Any) -> list[Any]:
