@@ -72,7 +72,7 @@ class LockInspectorAdmin(_ModelAdmin):
         if not self.has_view_permission(request):
             raise PermissionDenied
         aliases = list(locks)
-        alias = request.GET.get("alias") or aliases[0]
+        alias = request.GET.get("alias")
         if alias not in aliases:
             alias = aliases[0]
         prefix = request.GET.get("q", "")
@@ -99,9 +99,7 @@ class LockInspectorAdmin(_ModelAdmin):
                 next_url = "?" + urlencode(query)
         tokens.save()
         context = {
-            **self.admin_site.each_context(request),
-            "opts": self.opts,
-            "title": "Lock inspector",
+            **self._context(request, "Lock inspector"),
             "aliases": aliases,
             "alias": alias,
             "backend": backend,
@@ -135,9 +133,7 @@ class LockInspectorAdmin(_ModelAdmin):
         if request.method == "POST" and reason:
             return self._force_release(request, target, reason, back)
         context = {
-            **self.admin_site.each_context(request),
-            "opts": self.opts,
-            "title": "Force-release a lock?",
+            **self._context(request, "Force-release a lock?"),
             "target": target,
             "key_hash": hash_key(target.key),
             "show_keys": request.user.has_perm(VIEW_KEYS),
@@ -145,6 +141,10 @@ class LockInspectorAdmin(_ModelAdmin):
             "back_url": back,
         }
         return TemplateResponse(request, "admin/django_syncguard/lock/force_release.html", context)
+
+    def _context(self, request: HttpRequest, title: str) -> dict[str, Any]:
+        """What every page of the inspector needs from the admin."""
+        return {**self.admin_site.each_context(request), "opts": self.opts, "title": title}
 
     def _force_release(
         self, request: HttpRequest, target: inspector.Target, reason: str, back: str

@@ -330,8 +330,8 @@ class BaseLockBackend:
         key = self._storable(normalize_and_validate_key(key))
         if not isinstance(lock_id_hash, str):
             raise InvalidArgument("lock_id_hash must be the str shown by the inspector.")
-        record = self._lookup_by_key(key, None)
-        if record is None or record.key != key or hash_key(record.lock_id) != lock_id_hash:
+        record = self._checked_record(self._lookup_by_key(key, None), key=key)
+        if record is None or record.lock_id_hash != lock_id_hash:
             return ReleaseResult(ok=False, reason="not-found")
         return self.release(record.lock_id)
 

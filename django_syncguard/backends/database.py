@@ -484,8 +484,9 @@ class DatabaseBackend(BaseLockBackend):
             expires = _fetch_value(cursor, LITE_SELECT_LOCK, [storage_key])
             if expires is None:
                 return False
-            if self.cleanup_in_is_locked and now - int(expires) > guard:
-                cursor.execute(LITE_SWEEP_KEY, [storage_key, now - guard])
+            cutoff = self._cleanup_cutoff(now)
+            if self.cleanup_in_is_locked and int(expires) < cutoff:
+                cursor.execute(LITE_SWEEP_KEY, [storage_key, cutoff])
             return is_live(int(expires), now, TIME_TOLERANCE_MS)
 
         return self._run(is_locked)

@@ -264,8 +264,7 @@ class FirestoreBackend(BaseLockBackend):
     @staticmethod
     def _unchanged(snap: Any) -> dict[str, Any]:
         """Write option: the document is still as ``snap`` saw it."""
-        option = _firestore().Client.write_option(last_update_time=snap.update_time)
-        return {"option": option}
+        return _unchanged_since(snap.update_time)
 
     def _put(self, batch: Any, ref: Any, snap: Any, data: dict[str, Any]) -> None:
         """Write ``data`` as the whole document, only if it is still as ``snap`` saw it
@@ -401,7 +400,7 @@ class FirestoreBackend(BaseLockBackend):
             )
             for snap in snaps:
                 if snap not in live:
-                    batch.delete(snap.reference, **self._unchanged(snap))
+                    self._delete(batch, snap)
             if len(live) != 1:  # none to act on, or ambiguous: only clean up
                 return (("expired" if not live else "not-found"), None), True
         elif not live:
@@ -439,7 +438,9 @@ class FirestoreBackend(BaseLockBackend):
             f"{CONFLICT_ATTEMPTS} attempts."
         )
 
-    def _delete(self, batch: Any, snap: Any, now: int) -> None:
+    def _delete(self, batch: Any, snap: Any, now: int = 0) -> None:
+        """Delete the document ``snap`` read, only if unchanged since (``now``: unused,
+        the signature of a mutation for ``_mutate``)."""
         batch.delete(snap.reference, **self._unchanged(snap))
 
     def _renewal(self, ttl_ms: int) -> Callable[[Any, Any, int], int]:
@@ -478,8 +479,7 @@ class FirestoreBackend(BaseLockBackend):
             return None
         path, update_time, expires = held
         batch = client.batch()
-        option = _firestore().Client.write_option(last_update_time=update_time)
-        batch.delete(client.document(path), option=option)
+        batch.delete(client.document(path), **_unchanged_since(update_time))
         return batch, expires
 
     @staticmethod
@@ -538,7 +538,7 @@ class FirestoreBackend(BaseLockBackend):
             return None
         now = server_ms(snap.read_time)
         expires = int((snap.to_dict() or {}).get("expiresAtMs", now))
-        if now - expires <= CLEANUP_GUARD_MS["server"]:
+        if expires >= self._cleanup_cutoff(now):
             return None
         return self._unchanged(snap)
 
@@ -618,7 +618,7 @@ class FirestoreBackend(BaseLockBackend):
             return 0
         batch = self.client.batch()
         for snap in snaps:
-            batch.delete(snap.reference, **self._unchanged(snap))
+            self._delete(batch, snap)
         if self._commit(batch):
             return len(snaps)
         # One document changed since the query (re-acquired): the batch wrote nothing.
@@ -626,7 +626,7 @@ class FirestoreBackend(BaseLockBackend):
         deleted = 0
         for snap in snaps:
             single = self.client.batch()
-            single.delete(snap.reference, **self._unchanged(snap))
+            self._delete(single, snap)
             deleted += self._commit(single)
         return deleted
 
@@ -667,6 +667,11 @@ class _Held:
     def forget(self, lock_id: str) -> tuple[str, Any, int] | None:
         with self._mutex:
             return self._locks.pop(lock_id, None)
+
+
+def _unchanged_since(update_time: Any) -> dict[str, Any]:
+    """Write option: the document was last written at ``update_time``."""
+    return {"option": _firestore().Client.write_option(last_update_time=update_time)}
 
 
 def _streamed(query: Any) -> list[Any]:

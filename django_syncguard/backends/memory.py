@@ -122,8 +122,7 @@ class MemoryBackend(BaseLockBackend):
             if record is None:
                 return ReleaseResult(ok=False, reason=reason)  # type: ignore[arg-type]
             check_cancel(cancel, {"lock_id": lock_id})
-            del store.locks[record.key]
-            del store.index[lock_id]
+            self._drop(record)
             return ReleaseResult(ok=True)
 
     def _extend(self, lock_id: str, ttl_ms: int, cancel: CancelToken | None) -> ExtendResult:
@@ -153,9 +152,13 @@ class MemoryBackend(BaseLockBackend):
                 return False
             live = is_live(record.expires_at_ms, now, TIME_TOLERANCE_MS)
             if self.cleanup_in_is_locked and self._sweepable(record, now):
-                del store.locks[key]
-                store.index.pop(record.lock_id, None)
+                self._drop(record)
             return live
+
+    def _drop(self, record: LockRecord) -> None:
+        """Remove ``record`` and its lock-id index entry. Caller holds the mutex."""
+        del self._store.locks[record.key]
+        self._store.index.pop(record.lock_id, None)
 
     def _sweepable(self, record: LockRecord, now: int) -> bool:
         """Expired by more than the cleanup guard: no extend can still be racing it."""
@@ -176,8 +179,7 @@ class MemoryBackend(BaseLockBackend):
         return LockPage(records, records[-1].key if more else None, now)
 
     def _expired(self, now: int) -> list[LockRecord]:
-        cutoff = self._cleanup_cutoff(now)
-        return [r for r in self._store.locks.values() if r.expires_at_ms < cutoff]
+        return [r for r in self._store.locks.values() if self._sweepable(r, now)]
 
     def _count_expired(self) -> int:
         with self._store.mutex:
@@ -187,8 +189,7 @@ class MemoryBackend(BaseLockBackend):
         with self._store.mutex:
             doomed = self._expired(self.clock())[:batch_size]
             for record in doomed:
-                del self._store.locks[record.key]
-                self._store.index.pop(record.lock_id, None)
+                self._drop(record)
             return len(doomed)
 
     def _lookup_by_key(self, key: str, cancel: CancelToken | None) -> LockRecord | None:

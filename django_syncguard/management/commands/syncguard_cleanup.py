@@ -57,12 +57,13 @@ class Command(BaseCommand):
         )
 
     def handle(self, *args: Any, **options: Any) -> None:
-        aliases: list[str] = options["aliases"] or list(locks)
-        unknown = [alias for alias in aliases if alias not in list(locks)]
+        configured = list(locks)
+        aliases: list[str] = options["aliases"] or configured
+        unknown = [alias for alias in aliases if alias not in configured]
         if unknown:
             raise CommandError(
                 f"Unknown lock backend alias {', '.join(map(repr, unknown))}; "
-                f"configured: {', '.join(locks)}."
+                f"configured: {', '.join(configured)}."
             )
         for alias in dict.fromkeys(aliases):  # each alias once, in the order given
             self.clean(alias, options["dry_run"], options["batch_size"], options["verbosity"])
