@@ -383,9 +383,10 @@ def test_fences_survive_a_restart_and_the_backend_reconnects(pg, postgres_server
 
 
 @on_postgres
-def test_each_operation_is_one_query_message_on_the_wire(pg, tmp_path):
-    # Production path (no query logging): count the client's Query messages in a
-    # libpq protocol trace, i.e. round trips as the server sees them.
+def test_each_operation_is_one_round_trip_on_the_wire(pg, tmp_path):
+    # Production path (no query logging): a libpq protocol trace of what the client
+    # sent (F) and the server answered (B). One round trip is one batch of client
+    # messages ending in Sync, then the server's reply ending in ReadyForQuery.
     backend = pg.backend
     wrapper = backend.connection()
     wrapper.ensure_connection()
@@ -404,19 +405,31 @@ def test_each_operation_is_one_query_message_on_the_wire(pg, tmp_path):
         backend.release(held.lock_id)
         backend.release(held.lock_id)
         pgconn.untrace()
-    sent = [line for line in trace.read_text().splitlines() if line.startswith("F\t")]
-    # Eight operations, eight messages from the client, each a single Query.
-    assert [line.split("\t")[2] for line in sent] == ["Query"] * 8
+    batches: list[tuple[str, list[str]]] = []  # (direction, message lines) in order
+    for line in trace.read_text(errors="replace").splitlines():
+        direction, _, rest = line.partition("\t")
+        if direction not in ("F", "B") or rest.count("\t") < 1:
+            continue  # a binary parameter's byte 0x0a split a Bind line
+        if batches and batches[-1][0] == direction:
+            batches[-1][1].append(line)
+        else:
+            batches.append((direction, [line]))
+    names = [(d, [line.split("\t")[2] for line in lines]) for d, lines in batches]
+    # Eight operations: eight client batches, each answered once, never a second
+    # exchange (no separate BEGIN, COMMIT or re-query).
+    assert [d for d, _ in names] == ["F", "B"] * 8
+    assert all(m == ["Parse", "Bind", "Describe", "Execute", "Sync"] for d, m in names[::2])
+    assert all(m[-1] == "ReadyForQuery" for d, m in names[1::2])
     functions = [
         next(
             (
                 f
                 for f in ("syncguard_acquire", "syncguard_extend", "syncguard_release")
-                if f in line
+                if f in lines[0]
             ),
             "select",
         )
-        for line in sent
+        for _, lines in batches[::2]
     ]
     assert functions == [
         "syncguard_acquire",

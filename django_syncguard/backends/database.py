@@ -217,6 +217,10 @@ def map_database_error(exc: BaseException, alias: str) -> LockError:
 
 class _PerThread(threading.local):
     connection: BaseDatabaseWrapper | None = None
+    #: The cursor reused by every direct operation of this thread, and the driver
+    #: connection it belongs to (a reconnect makes a new one).
+    cursor: Any = None
+    cursor_of: Any = None
 
 
 class DatabaseBackend(BaseLockBackend):
@@ -309,12 +313,7 @@ class DatabaseBackend(BaseLockBackend):
         wrapper = self.connection()
         try:
             if self._direct(wrapper):
-                # The psycopg connection Django opened, without Django's cursor
-                # wrapper: about 55 µs less per operation, measured here.
-                if wrapper.connection is None:
-                    wrapper.ensure_connection()
-                with wrapper.connection.cursor() as cursor:
-                    return work(cursor)
+                return work(self._direct_cursor(wrapper))
             with wrapper.cursor() as cursor:
                 return work(cursor)
         except (DjangoDatabaseError, cast(Any, wrapper).Database.Error) as exc:
@@ -323,6 +322,25 @@ class DatabaseBackend(BaseLockBackend):
                 # Reconnect on the next call: the connection may be broken or stuck.
                 _close_quietly(wrapper)
             raise error from exc
+
+    def _direct_cursor(self, wrapper: BaseDatabaseWrapper) -> Any:
+        """This thread's reusable cursor on the psycopg connection Django opened.
+
+        Neither Django's cursor wrapper nor a new cursor per operation: each costs
+        client CPU on every call (wrapping, copying the adapters map). Parameters are
+        bound by the server (extended protocol, unnamed statement): no quoting in
+        Python, still one round trip, and nothing that outlives the statement, so
+        transaction pooling stays safe. Named prepared statements are used only if
+        the alias's OPTIONS ask for them (``prepare_threshold``).
+        """
+        if wrapper.connection is None:
+            wrapper.ensure_connection()
+        raw = wrapper.connection
+        local = self._local
+        if local.cursor_of is not raw or local.cursor.closed:
+            local.cursor = _server_binding_cursor(raw)
+            local.cursor_of = raw
+        return local.cursor
 
     def _direct(self, wrapper: BaseDatabaseWrapper) -> bool:
         """Bypass Django's cursor on PostgreSQL unless something watches the queries
@@ -562,6 +580,16 @@ def _bound_replies(wrapper: BaseDatabaseWrapper, timeout_s: float) -> None:
         return raw
 
     wrapper.get_new_connection = get_new_connection  # type: ignore[method-assign]
+
+
+def _server_binding_cursor(raw: Any) -> Any:
+    """A cursor binding parameters on the server (psycopg 3), else the driver's own."""
+    module = type(raw).__module__.partition(".")[0]
+    if module == "psycopg":
+        import psycopg
+
+        return psycopg.Cursor(raw)
+    return raw.cursor()
 
 
 def _close_quietly(wrapper: BaseDatabaseWrapper) -> None:
