@@ -1,6 +1,6 @@
 """Acquire+release cycles on PostgreSQL: our backend next to its floor and its peers.
 
-    .venv/bin/python bench/postgres_locks.py [--seconds 2] [--memory-locks 20000]
+    .venv/bin/python bench/postgres_locks.py [--seconds 2] [--memory-locks 20000] [--prepared]
 
 Starts a throw-away PostgreSQL 15 with its default (durable) settings on a free
 loopback port, and measures, side by side against that one server:
@@ -17,6 +17,12 @@ loopback port, and measures, side by side against that one server:
 
 Each for 1 client, 8 threads and 4 processes, on distinct keys and one shared key.
 Then the memory one held lock costs (rows, indexes, its fence counter).
+
+Every method sends its statements the same way, so the ratios compare like with
+like: by default as Django does out of the box (no prepared statements: each
+statement is parsed and planned by the server every time); with ``--prepared``,
+every connection prepares its statements on first use (psycopg's
+``prepare_threshold=0``; for our backend, that option on the ``DATABASES`` alias).
 """
 
 from __future__ import annotations
@@ -40,6 +46,10 @@ from bench.common import (  # noqa: E402
 )
 from tests.servers import PostgresServer  # noqa: E402
 
+#: Set (to anything) when every method prepares its statements; an environment
+#: variable so that the client processes of a run inherit it.
+PREPARED_ENV = "SYNCGUARD_BENCH_PG_PREPARED"
+
 NOW_MS = "floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint"
 
 PEER_TABLES = """
@@ -52,6 +62,18 @@ CREATE INDEX IF NOT EXISTS bench_seed_locks_expires ON bench_seed_locks (expires
 CREATE TABLE IF NOT EXISTS bench_seed_fences (
     fence_key text PRIMARY KEY, fence bigint NOT NULL DEFAULT 0);
 """
+
+
+def prepare_threshold() -> int | None:
+    """psycopg's ``prepare_threshold`` for every connection of this run."""
+    return 0 if os.environ.get(PREPARED_ENV) else None
+
+
+def statements() -> str:
+    """How this run sends statements, for the report."""
+    if os.environ.get(PREPARED_ENV):
+        return "every connection prepares its statements (prepare_threshold=0)"
+    return "no prepared statements, as Django's default (prepare_threshold=None)"
 
 
 def dsn(port: int) -> dict[str, Any]:
@@ -71,6 +93,7 @@ def setup_django(port: int) -> None:
                     "USER": "postgres",
                     "HOST": "127.0.0.1",
                     "PORT": str(port),
+                    "OPTIONS": {"prepare_threshold": prepare_threshold()},
                 }
             },
             INSTALLED_APPS=["django.contrib.contenttypes", "django_syncguard"],
@@ -105,7 +128,7 @@ def syncguard(port: int) -> MethodFactory:
 def _connection(port: int):
     import psycopg
 
-    return psycopg.connect(**dsn(port), autocommit=True)
+    return psycopg.connect(**dsn(port), autocommit=True, prepare_threshold=prepare_threshold())
 
 
 def floor(port: int) -> MethodFactory:
@@ -266,7 +289,12 @@ def main() -> None:
     )
     parser.add_argument("--memory-locks", type=int, default=20_000)
     parser.add_argument("--modes", default="1 client,8 threads,4 processes")
+    parser.add_argument(
+        "--prepared", action="store_true", help="every method prepares its statements"
+    )
     args = parser.parse_args()
+    if args.prepared:
+        os.environ[PREPARED_ENV] = "1"
 
     server = PostgresServer(settings=()).start()  # durable defaults: fsync, synchronous_commit
     try:
@@ -278,13 +306,13 @@ def main() -> None:
 
         call_command("migrate", "django_syncguard", verbosity=0)
         with _connection(server.port) as conn:
-            conn.execute(PEER_TABLES)
+            conn.execute(PEER_TABLES, prepare=False)
 
         print(
             f"# PostgreSQL lock benchmark\n\n{machine()}; PostgreSQL 15 on 127.0.0.1, "
             f"default settings (fsync on, synchronous_commit on); {args.seconds:g} s per "
             f"method and scenario, in {args.rounds} interleaved rounds; "
-            f"psycopg {psycopg.__version__}."
+            f"psycopg {psycopg.__version__}; {statements()}."
         )
         rows = run_matrix(METHODS, server.port, args.modes, args.rounds, args.seconds)
         print_table("acquire + release cycles", rows, args.seconds, baseline="floor", also="seeds")

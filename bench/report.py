@@ -264,10 +264,11 @@ def run_postgres(section: Section, args: argparse.Namespace) -> None:
 
         call_command("migrate", "django_syncguard", verbosity=0)
         with postgres_locks._connection(server.port) as conn:
-            conn.execute(postgres_locks.PEER_TABLES)
+            conn.execute(postgres_locks.PEER_TABLES, prepare=False)
         section.server = (
             f"PostgreSQL {pg_version} on 127.0.0.1, default settings (fsync on, "
-            "synchronous_commit on: every commit waits for its WAL flush)"
+            "synchronous_commit on: every commit waits for its WAL flush); "
+            f"{postgres_locks.statements()}, for every method alike"
         )
         section.rows = run_matrix(
             section.methods, server.port, list(MODES.values()), args.rounds, args.seconds

@@ -7,6 +7,8 @@ import socket
 import sqlite3
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 import psycopg
 import pytest
@@ -382,6 +384,34 @@ def test_fences_survive_a_restart_and_the_backend_reconnects(pg, postgres_server
     assert second.fence == "000000000000002"
 
 
+def _trace_batches(trace_text: str) -> list[tuple[str, list[str], str]]:
+    """A libpq trace (without timestamps) as batches of consecutive messages in one
+    direction: (``"F"`` for the client or ``"B"`` for the server, the message names,
+    the batch's first line)."""
+    batches: list[tuple[str, list[str], str]] = []
+    for line in trace_text.splitlines():
+        direction, _, rest = line.partition("\t")
+        if direction not in ("F", "B") or rest.count("\t") < 1:
+            continue  # a binary parameter's byte 0x0a split a Bind line
+        name = rest.split("\t")[1]
+        if batches and batches[-1][0] == direction:
+            batches[-1][1].append(name)
+        else:
+            batches.append((direction, [name], line))
+    return batches
+
+
+def _traced(pgconn: Any, path: Any, work: Callable[[], None]) -> list[tuple[str, list[str], str]]:
+    with path.open("w") as out:
+        pgconn.trace(out.fileno())
+        pgconn.set_trace_flags(psycopg.pq.Trace.SUPPRESS_TIMESTAMPS)
+        try:
+            work()
+        finally:
+            pgconn.untrace()
+    return _trace_batches(path.read_text(errors="replace"))
+
+
 @on_postgres
 def test_each_operation_is_one_round_trip_on_the_wire(pg, tmp_path):
     # Production path (no query logging): a libpq protocol trace of what the client
@@ -391,11 +421,8 @@ def test_each_operation_is_one_round_trip_on_the_wire(pg, tmp_path):
     wrapper = backend.connection()
     wrapper.ensure_connection()
     assert backend._direct(wrapper) is True
-    pgconn = wrapper.connection.pgconn
-    trace = tmp_path / "libpq.trace"
-    with trace.open("w") as out:
-        pgconn.trace(out.fileno())
-        pgconn.set_trace_flags(psycopg.pq.Trace.SUPPRESS_TIMESTAMPS)
+
+    def operations() -> None:
         held = backend.acquire("wire", 10_000)
         backend.acquire("wire", 10_000)
         backend.is_locked("wire")
@@ -404,32 +431,23 @@ def test_each_operation_is_one_round_trip_on_the_wire(pg, tmp_path):
         backend.extend(held.lock_id, 10_000)
         backend.release(held.lock_id)
         backend.release(held.lock_id)
-        pgconn.untrace()
-    batches: list[tuple[str, list[str]]] = []  # (direction, message lines) in order
-    for line in trace.read_text(errors="replace").splitlines():
-        direction, _, rest = line.partition("\t")
-        if direction not in ("F", "B") or rest.count("\t") < 1:
-            continue  # a binary parameter's byte 0x0a split a Bind line
-        if batches and batches[-1][0] == direction:
-            batches[-1][1].append(line)
-        else:
-            batches.append((direction, [line]))
-    names = [(d, [line.split("\t")[2] for line in lines]) for d, lines in batches]
+
+    batches = _traced(wrapper.connection.pgconn, tmp_path / "libpq.trace", operations)
     # Eight operations: eight client batches, each answered once, never a second
     # exchange (no separate BEGIN, COMMIT or re-query).
-    assert [d for d, _ in names] == ["F", "B"] * 8
-    assert all(m == ["Parse", "Bind", "Describe", "Execute", "Sync"] for d, m in names[::2])
-    assert all(m[-1] == "ReadyForQuery" for d, m in names[1::2])
+    assert [d for d, _, _ in batches] == ["F", "B"] * 8
+    assert all(m == ["Parse", "Bind", "Describe", "Execute", "Sync"] for _, m, _ in batches[::2])
+    assert all(m[-1] == "ReadyForQuery" for _, m, _ in batches[1::2])
     functions = [
         next(
             (
                 f
                 for f in ("syncguard_acquire", "syncguard_extend", "syncguard_release")
-                if f in lines[0]
+                if f in first
             ),
             "select",
         )
-        for _, lines in batches[::2]
+        for _, _, first in batches[::2]
     ]
     assert functions == [
         "syncguard_acquire",
@@ -441,6 +459,35 @@ def test_each_operation_is_one_round_trip_on_the_wire(pg, tmp_path):
         "syncguard_release",
         "syncguard_release",
     ]
+
+
+@on_postgres
+def test_statements_are_prepared_when_the_alias_asks_for_it(pg, monkeypatch, tmp_path):
+    # Django's own switch, OPTIONS["prepare_threshold"] on the DATABASES alias, is
+    # what the backend's private connection follows: with 0, each lock statement is
+    # parsed and planned once per connection and afterwards only bound and run.
+    options = {**connections["postgres"].settings_dict["OPTIONS"], "prepare_threshold": 0}
+    monkeypatch.setitem(connections["postgres"].settings_dict, "OPTIONS", options)
+    backend = DatabaseBackend("prepared", {"OPTIONS": {"DATABASE": "postgres"}})
+    try:
+        wrapper = backend.connection()
+        wrapper.ensure_connection()
+
+        def cycles() -> None:
+            for n in range(3):
+                held = backend.acquire(f"prepared:{n}", 10_000)
+                assert held.ok
+                assert backend.release(held.lock_id).ok
+
+        batches = _traced(wrapper.connection.pgconn, tmp_path / "libpq.trace", cycles)
+        kinds = [names for direction, names, _ in batches if direction == "F"]
+        prepare = ["Parse", "Sync"]
+        prepared = ["Bind", "Describe", "Execute", "Sync"]
+        # psycopg prepares a statement in a round trip of its own, once per connection:
+        # acquire and release are each prepared on first use, then only bound and run.
+        assert kinds == [prepare, prepared, prepare, prepared] + [prepared] * 4
+    finally:
+        backend.close()
 
 
 @on_postgres

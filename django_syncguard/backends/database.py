@@ -12,7 +12,9 @@ is visible to every process the moment ``acquire`` returns, survives a rollback 
 the caller's transaction, and a fence is never handed out twice. Each operation is
 a single autocommit statement (or, on SQLite, one short ``BEGIN IMMEDIATE``
 transaction), so the backend works behind pgbouncer in transaction pooling mode: it
-keeps no session state and uses only transaction-scoped advisory locks.
+keeps no session state and uses only transaction-scoped advisory locks. Prepared
+statements follow the alias's ``OPTIONS["prepare_threshold"]`` (Django's switch,
+off by default); turn it on only where the pooler, if any, supports them.
 
 See ``specs/backends/database.md`` for the SQL of each operation.
 """
