@@ -42,7 +42,7 @@ from bench.common import (  # noqa: E402
     create_bench_database,
     machine,
     print_table,
-    run_matrix,
+    run_selected,
 )
 from tests.servers import PostgresServer  # noqa: E402
 
@@ -287,8 +287,14 @@ def main() -> None:
         default=3,
         help="interleave the methods this many times per scenario (cancels drift)",
     )
-    parser.add_argument("--memory-locks", type=int, default=20_000)
+    parser.add_argument("--memory-locks", type=int, default=20_000, help="0 skips it")
     parser.add_argument("--modes", default="1 client,8 threads,4 processes")
+    parser.add_argument(
+        "--interleaved",
+        type=int,
+        metavar="CYCLES",
+        help="instead of --modes: one client, every method in turn at each of CYCLES steps",
+    )
     parser.add_argument(
         "--prepared", action="store_true", help="every method prepares its statements"
     )
@@ -308,14 +314,15 @@ def main() -> None:
         with _connection(server.port) as conn:
             conn.execute(PEER_TABLES, prepare=False)
 
+        rows, how = run_selected(METHODS, server.port, args)
         print(
             f"# PostgreSQL lock benchmark\n\n{machine()}; PostgreSQL 15 on 127.0.0.1, "
-            f"default settings (fsync on, synchronous_commit on); {args.seconds:g} s per "
-            f"method and scenario, in {args.rounds} interleaved rounds; "
+            f"default settings (fsync on, synchronous_commit on); {how}; "
             f"psycopg {psycopg.__version__}; {statements()}."
         )
-        rows = run_matrix(METHODS, server.port, args.modes, args.rounds, args.seconds)
         print_table("acquire + release cycles", rows, args.seconds, baseline="floor", also="seeds")
+        if not args.memory_locks:
+            return
         per_lock, delta, total = memory_per_lock(server.port, args.memory_locks)
         print(
             f"\n## memory\n\n{args.memory_locks:,} held locks on distinct keys: "

@@ -26,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.common import MethodFactory, machine, print_table, run_matrix  # noqa: E402
+from bench.common import MethodFactory, machine, print_table, run_selected  # noqa: E402
 from tests.servers import RedisServer  # noqa: E402
 
 TTL_MS = 30_000
@@ -138,8 +138,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seconds", type=float, default=3.0, help="per method and scenario")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds per scenario")
-    parser.add_argument("--memory-locks", type=int, default=20_000)
+    parser.add_argument("--memory-locks", type=int, default=20_000, help="0 skips it")
     parser.add_argument("--modes", default="1 client,8 threads,4 processes")
+    parser.add_argument(
+        "--interleaved",
+        type=int,
+        metavar="CYCLES",
+        help="instead of --modes: one client, every method in turn at each of CYCLES steps",
+    )
     args = parser.parse_args()
 
     import redis
@@ -147,15 +153,16 @@ def main() -> None:
     server = RedisServer().start()
     try:
         version = redis.Redis.from_url(server.url).info("server")["redis_version"]
+        rows, how = run_selected(METHODS, server.url, args)
         print(
             f"# Redis lock benchmark\n\n{machine()}; redis-server {version} on 127.0.0.1 "
-            f"(no persistence); redis-py {redis.__version__}; {args.seconds:g} s per method "
-            f"and scenario, in {args.rounds} interleaved rounds."
+            f"(no persistence); redis-py {redis.__version__}; {how}."
         )
-        rows = run_matrix(METHODS, server.url, args.modes, args.rounds, args.seconds)
         print_table(
             "acquire + release cycles", rows, args.seconds, baseline="raw", also="redis-py Lock"
         )
+        if not args.memory_locks:
+            return
         ours, floor = memory_per_lock(server.url, args.memory_locks)
         print(
             f"\n## memory\n\n{args.memory_locks:,} held locks on distinct keys "
