@@ -62,26 +62,8 @@ def run_client(factory: MethodFactory, client: int, shared: bool, seconds: float
     deadline = time.perf_counter() + seconds
     n = 0
     while time.perf_counter() < deadline:
-        key = keys[n % len(keys)]
+        _timed_cycle(acquire, release, keys[n % len(keys)], sample)
         n += 1
-        started = time.perf_counter_ns()
-        sample.attempts += 1
-        try:
-            token = acquire(key)
-        except Exception:
-            sample.errors += 1
-            continue
-        acquired = time.perf_counter_ns()
-        sample.acquire_ns.append(acquired - started)
-        if token is None:
-            continue
-        try:
-            release(token)
-        except Exception:
-            sample.errors += 1
-            continue
-        sample.release_ns.append(time.perf_counter_ns() - acquired)
-        sample.cycles += 1
     return sample
 
 
@@ -114,6 +96,8 @@ def run_interleaved(
             random.shuffle(order)
             for name in order:
                 _timed_cycle(*clients[name], key, samples[name])
+        for sample in samples.values():
+            sample.busy_ns = sum(sample.acquire_ns) + sum(sample.release_ns)
         keys = "shared" if shared else "distinct"
         rows += [("1 client, interleaved", keys, name, samples[name]) for name in methods]
     return rows
@@ -135,6 +119,7 @@ def run_selected(
 
 
 def _timed_cycle(acquire: Acquire, release: Release, key: str, sample: Sample) -> None:
+    """One attempt on ``key``: acquire, and release what it got; both timed."""
     sample.attempts += 1
     started = time.perf_counter_ns()
     try:
@@ -144,7 +129,6 @@ def _timed_cycle(acquire: Acquire, release: Release, key: str, sample: Sample) -
         return
     acquired = time.perf_counter_ns()
     sample.acquire_ns.append(acquired - started)
-    sample.busy_ns += acquired - started
     if token is None:
         return
     try:
@@ -152,9 +136,7 @@ def _timed_cycle(acquire: Acquire, release: Release, key: str, sample: Sample) -
     except Exception:
         sample.errors += 1
         return
-    released = time.perf_counter_ns()
-    sample.release_ns.append(released - acquired)
-    sample.busy_ns += released - acquired
+    sample.release_ns.append(time.perf_counter_ns() - acquired)
     sample.cycles += 1
 
 
@@ -411,6 +393,36 @@ def _elapsed(sample: Sample, seconds: float) -> float:
     """The seconds a sample's rates are over: the run's wall time, or in an
     interleaved run the method's own busy time."""
     return sample.busy_ns / 1e9 if sample.busy_ns else seconds
+
+
+def postgres_database(port: int, **options: Any) -> dict[str, Any]:
+    """A ``DATABASES`` entry for the benchmark database on the loopback PostgreSQL."""
+    return {
+        "ENGINE": "django.db.backends.postgresql",
+        "NAME": "bench",
+        "USER": "postgres",
+        "HOST": "127.0.0.1",
+        "PORT": str(port),
+        "OPTIONS": options,
+    }
+
+
+def configure_django(databases: dict[str, dict[str, Any]]) -> None:
+    """Django for a benchmark process: these ``DATABASES``, this app, nothing else."""
+    import django
+    from django.conf import settings
+
+    if settings.configured:
+        return
+    settings.configure(
+        DATABASES=databases,
+        INSTALLED_APPS=["django.contrib.contenttypes", "django_syncguard"],
+        USE_TZ=True,
+        SYNCGUARD_BACKENDS={
+            "default": {"BACKEND": "django_syncguard.backends.memory.MemoryBackend"}
+        },
+    )
+    django.setup()
 
 
 def create_bench_database(port: int) -> str:

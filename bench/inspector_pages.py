@@ -35,7 +35,12 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.common import create_bench_database, machine  # noqa: E402
+from bench.common import (  # noqa: E402
+    configure_django,
+    create_bench_database,
+    machine,
+    postgres_database,
+)
 from tests.servers import PostgresServer, RedisServer  # noqa: E402
 
 HOUR_MS = 3_600_000
@@ -71,31 +76,12 @@ return 0
 
 
 def setup_django(pg_port: int, sqlite_path: str) -> None:
-    import django
-    from django.conf import settings
-
-    settings.configure(
-        DATABASES={
-            "default": {
-                "ENGINE": "django.db.backends.postgresql",
-                "NAME": "bench",
-                "USER": "postgres",
-                "HOST": "127.0.0.1",
-                "PORT": str(pg_port),
-            },
-            "lite": {
-                "ENGINE": "django.db.backends.sqlite3",
-                "NAME": sqlite_path,
-                "OPTIONS": {"init_command": "PRAGMA journal_mode=WAL;"},
-            },
-        },
-        INSTALLED_APPS=["django.contrib.contenttypes", "django_syncguard"],
-        USE_TZ=True,
-        SYNCGUARD_BACKENDS={
-            "default": {"BACKEND": "django_syncguard.backends.memory.MemoryBackend"}
-        },
-    )
-    django.setup()
+    lite = {
+        "ENGINE": "django.db.backends.sqlite3",
+        "NAME": sqlite_path,
+        "OPTIONS": {"init_command": "PRAGMA journal_mode=WAL;"},
+    }
+    configure_django({"default": postgres_database(pg_port), "lite": lite})
 
 
 def execute(backend: Any, sql: str, params: list[Any]) -> None:

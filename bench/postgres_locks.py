@@ -39,8 +39,10 @@ sys.path.insert(0, str(ROOT))
 
 from bench.common import (  # noqa: E402
     MethodFactory,
+    configure_django,
     create_bench_database,
     machine,
+    postgres_database,
     print_table,
     run_selected,
 )
@@ -81,28 +83,7 @@ def dsn(port: int) -> dict[str, Any]:
 
 
 def setup_django(port: int) -> None:
-    import django
-    from django.conf import settings
-
-    if not settings.configured:
-        settings.configure(
-            DATABASES={
-                "default": {
-                    "ENGINE": "django.db.backends.postgresql",
-                    "NAME": "bench",
-                    "USER": "postgres",
-                    "HOST": "127.0.0.1",
-                    "PORT": str(port),
-                    "OPTIONS": {"prepare_threshold": prepare_threshold()},
-                }
-            },
-            INSTALLED_APPS=["django.contrib.contenttypes", "django_syncguard"],
-            USE_TZ=True,
-            SYNCGUARD_BACKENDS={
-                "default": {"BACKEND": "django_syncguard.backends.memory.MemoryBackend"}
-            },
-        )
-        django.setup()
+    configure_django({"default": postgres_database(port, prepare_threshold=prepare_threshold())})
 
 
 # ------------------------------------------------------------------ methods
