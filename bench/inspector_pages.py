@@ -136,8 +136,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--locks", type=int, default=100_000)
     parser.add_argument("--limit", type=int, default=100, help="page size (the admin's is 100)")
-    parser.add_argument("--repeat", type=int, default=30, help="timings per page")
+    parser.add_argument("--repeat", type=int, default=30, help="timings per page (2 or more)")
     args = parser.parse_args()
+    if args.repeat < 2:
+        parser.error("--repeat must be at least 2: each page reports a median and a p90")
     prefix = f"scale:{(args.locks - PREFIX_TAIL + 1) // 100:04d}"  # e.g. scale:0999
 
     pg = PostgresServer().start()
