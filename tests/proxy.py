@@ -121,6 +121,9 @@ class FaultProxy:
         for client, server in pairs:
             _reset(client)
             _reset(server)
+        # abort() closes the sockets in callbacks of the next loop iteration: let it
+        # run, so that every reset has been sent when drop() returns.
+        await asyncio.sleep(0)
 
     async def _stop(self) -> None:
         assert self._server is not None and self._flowing is not None
