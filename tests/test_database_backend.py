@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import socket
 import sqlite3
+import struct
 import threading
 import time
 from collections.abc import Callable
@@ -23,7 +24,11 @@ from django_syncguard import (
     ServiceUnavailable,
     generate_lock_id,
 )
-from django_syncguard.backends.database import DatabaseBackend, map_database_error
+from django_syncguard.backends.database import (
+    DatabaseBackend,
+    _idle_connection_is_gone,
+    map_database_error,
+)
 from django_syncguard.errors import AuthFailed, RateLimited
 from tests.harness import PostgresHarness, SqliteHarness
 from tests.testapp.models import Account
@@ -374,14 +379,53 @@ def test_each_thread_gets_its_own_connection():
 def test_fences_survive_a_restart_and_the_backend_reconnects(pg, postgres_server):
     first = pg.backend.acquire("k", 60_000)
     assert pg.backend.release(first.lock_id).ok
+    wrapper = pg.backend.connection()
+    before = wrapper.connection
     postgres_server.restart()
     connections["postgres"].close()  # the test runner's own connection died too
-    # The connection the backend held was cut: that call fails cleanly ...
-    with pytest.raises(ServiceUnavailable):
-        pg.backend.acquire("k", 60_000)
-    # ... and the same backend object opens a new one on the next call.
+    # The server ended the connection the backend held; the next call sees that
+    # before sending and reconnects, so it succeeds on a new connection.
     second = pg.backend.acquire("k", 60_000)
     assert second.fence == "000000000000002"
+    assert wrapper.connection is not None and wrapper.connection is not before
+
+
+@pytest.mark.parametrize(
+    ("peer_does", "gone"),
+    [
+        ("nothing", False),
+        ("closes", True),
+        ("resets", True),
+        ("sends a FATAL error and closes", True),
+        ("sends a notice", False),
+        ("sends a TLS close alert", True),
+        ("sends TLS application data", False),
+    ],
+)
+def test_an_idle_connection_is_gone_only_when_its_peer_ended_it(peer_does, gone):
+    # A real loopback TCP connection: ``ours`` is what a driver connection holds.
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        ours = socket.create_connection(listener.getsockname())
+        peer, _ = listener.accept()
+    with ours, peer:
+        if peer_does == "closes":
+            peer.close()
+        elif peer_does == "resets":  # SO_LINGER on, zero seconds: close sends RST
+            peer.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            peer.close()
+        elif peer_does == "sends a FATAL error and closes":
+            peer.sendall(b"E\x00\x00\x00\x10SFATAL\x00C57P01\x00\x00")
+            peer.close()
+        elif peer_does == "sends a notice":
+            peer.sendall(b"N\x00\x00\x00\x04")
+        elif peer_does == "sends a TLS close alert":
+            peer.sendall(b"\x15\x03\x03\x00\x02\x01\x00")
+        elif peer_does == "sends TLS application data":
+            peer.sendall(b"\x17\x03\x03\x00\x01\x00")
+        assert _idle_connection_is_gone(ours) is gone
+        # The peek consumed nothing: the driver still reads whatever arrived.
+        if peer_does == "sends a notice":
+            assert ours.recv(16) == b"N\x00\x00\x00\x04"
 
 
 def _trace_batches(trace_text: str) -> list[tuple[str, list[str], str]]:

@@ -83,7 +83,7 @@ on_every_server = pytest.mark.parametrize("harness", ["postgres", "redis", "fire
 #: After the proxy reset every connection, the next call on the same backend object:
 #: None when it reconnects by itself and succeeds, else the error it raises (once).
 AFTER_DROP: dict[str, type[LockError] | None] = {
-    "postgres": ServiceUnavailable,  # the dead connection is found by using it
+    "postgres": None,  # a call checks its idle connection before sending
     "redis": None,  # the pool checks an idle connection before handing it out
     # gRPC usually saw the reset and reconnects; when it had not yet, the first call
     # fails with UNAVAILABLE ("Stream removed") and the next one reconnects.

@@ -24,6 +24,9 @@ from __future__ import annotations
 import copy
 import logging
 import math
+import os
+import select
+import socket
 import threading
 import weakref
 from collections.abc import Callable, Mapping
@@ -313,6 +316,8 @@ class DatabaseBackend(BaseLockBackend):
     def _run(self, work: Callable[[Any], T]) -> T:
         """Run ``work(cursor)`` on this thread's connection, mapping driver errors."""
         wrapper = self.connection()
+        if wrapper.connection is not None and self.vendor == "postgresql":
+            self._reconnect_if_gone(wrapper)
         try:
             if self._direct(wrapper):
                 return work(self._direct_cursor(wrapper))
@@ -324,6 +329,17 @@ class DatabaseBackend(BaseLockBackend):
                 # Reconnect on the next call: the connection may be broken or stuck.
                 _close_quietly(wrapper)
             raise error from exc
+
+    def _reconnect_if_gone(self, wrapper: BaseDatabaseWrapper) -> None:
+        """Close this thread's idle connection if the server or a proxy has ended it
+        (a restart, a pooler or the network reset it): the call then opens a new one
+        instead of failing on the dead one. Nothing was in flight, so nothing is
+        lost. A connection that died silently is left to the timeouts."""
+        if _idle_connection_is_gone(wrapper.connection):
+            logger.info(
+                "Database %r: the server ended an idle connection; reconnecting.", self.database
+            )
+            _close_quietly(wrapper)
 
     def _direct_cursor(self, wrapper: BaseDatabaseWrapper) -> Any:
         """This thread's reusable cursor on the psycopg connection Django opened.
@@ -582,6 +598,42 @@ def _bound_replies(wrapper: BaseDatabaseWrapper, timeout_s: float) -> None:
         return raw
 
     wrapper.get_new_connection = get_new_connection  # type: ignore[method-assign]
+
+
+#: First bytes that can wait on an idle connection of ours once the server or a proxy
+#: has ended it: end of file; a PostgreSQL ErrorResponse ("E": the FATAL message a
+#: server sends before closing); a TLS alert record (0x15: close_notify). Anything
+#: else (a notice, a parameter status, encrypted TLS data) leaves it in use.
+_GONE_MARKS = (b"", b"E", b"\x15")
+
+
+def _idle_connection_is_gone(raw: Any) -> bool:
+    """True when the server or a proxy has ended the idle driver connection ``raw``.
+
+    Every call reads its reply to the end, so an idle connection has nothing to read
+    unless the other side spoke since: a poll without waiting (about a microsecond)
+    decides the common case, and only then is the first byte peeked at, on a copy of
+    the file descriptor (the driver keeps its own).
+    """
+    try:
+        fd = raw.fileno()
+    except Exception:  # closed, or broken beyond telling
+        return True
+    if hasattr(select, "poll"):
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        if not poller.poll(0):
+            return False
+    elif not select.select([fd], [], [], 0)[0]:  # Windows: no poll()
+        return False
+    try:
+        with socket.socket(fileno=os.dup(fd)) as sock:
+            head = sock.recv(1, socket.MSG_PEEK | getattr(socket, "MSG_DONTWAIT", 0))
+    except BlockingIOError:
+        return False
+    except OSError:  # reset by the peer
+        return True
+    return head in _GONE_MARKS
 
 
 def _server_binding_cursor(raw: Any) -> Any:
