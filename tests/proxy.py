@@ -14,8 +14,12 @@ takes effect before it returns):
   not a FIN); new connections are still accepted;
 - ``resume()``: forward again, without latency; held bytes flow on.
 
-``wait_for_held_request()`` returns once, while stalled, client bytes are being held:
-a call is then in flight and cannot have reached the server.
+``wait_for_held_request()`` returns once, while stalled, the proxy holds the start of
+a request: a call is then in flight and cannot have reached the server. On PostgreSQL
+and Redis connections any client byte is a request. On HTTP/2 (gRPC, the Firestore
+emulator) only a HEADERS frame opens one: the client also sends pings, window updates
+and stream resets of its own, and a drop while only those are held would reset a
+connection the call has not used yet (gRPC then sends it on a new one).
 
 ``stop()`` resets everything and closes the listening socket.
 """
@@ -31,6 +35,51 @@ from collections.abc import Coroutine
 from typing import Any
 
 _RST = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() sends an RST
+_HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+_HTTP2_FRAME_HEADER = 9  # length (3 bytes), type, flags, stream id (4 bytes)
+_HTTP2_HEADERS = 0x1
+
+
+class _Requests:
+    """Reads a client's byte stream from its first byte and tells, chunk by chunk,
+    whether a chunk carries the start of a request (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._start = b""  # the first bytes, until the protocol is known
+        self._http2: bool | None = None
+        self._frame_header = b""  # an HTTP/2 frame header split across chunks
+        self._payload_left = 0  # bytes of the current frame's payload still to come
+
+    def feed(self, data: bytes) -> bool:
+        if self._http2 is None:
+            self._start += data
+            if len(self._start) < len(_HTTP2_PREFACE) and _HTTP2_PREFACE.startswith(self._start):
+                return False  # the preface so far: no request yet, protocol not known
+            self._http2 = self._start.startswith(_HTTP2_PREFACE)
+            data, self._start = self._start[len(_HTTP2_PREFACE) :], b""
+            if not self._http2:
+                return True
+        if not self._http2:
+            return bool(data)
+        return self._opens_stream(data)
+
+    def _opens_stream(self, data: bytes) -> bool:
+        opens = False
+        at = 0
+        while at < len(data):
+            if self._payload_left:
+                taken = min(self._payload_left, len(data) - at)
+                self._payload_left -= taken
+                at += taken
+                continue
+            needed = _HTTP2_FRAME_HEADER - len(self._frame_header)
+            self._frame_header += data[at : at + needed]
+            at += needed
+            if len(self._frame_header) == _HTTP2_FRAME_HEADER:
+                header, self._frame_header = self._frame_header, b""
+                self._payload_left = int.from_bytes(header[:3], "big")
+                opens |= header[3] == _HTTP2_HEADERS
+        return opens
 
 
 def _reset(writer: asyncio.StreamWriter) -> None:
@@ -165,18 +214,37 @@ class FaultProxy:
         from_client: bool,
     ) -> None:
         assert self._flowing is not None
-        while True:
-            data = await reader.read(65536)
-            if from_client and data and not self._flowing.is_set():
-                self._held.set()
-            await self._flowing.wait()  # stalled: hold the bytes, read no more
-            if self.latency_s:
-                await asyncio.sleep(self.latency_s)
-            if pair not in self._pairs:  # dropped meanwhile
-                return
-            if not data:
-                if writer.can_write_eof():
-                    writer.write_eof()
-                return
-            writer.write(data)
-            await writer.drain()
+        # Reading goes on while stalled (only forwarding stops), so that a request
+        # behind a client's control frame is seen as held.
+        chunks: asyncio.Queue[bytes] = asyncio.Queue()
+        requests = _Requests() if from_client else None
+
+        async def receive() -> None:
+            assert self._flowing is not None
+            try:
+                while data := await reader.read(65536):
+                    if requests is not None and requests.feed(data) and not self._flowing.is_set():
+                        self._held.set()
+                    chunks.put_nowait(data)
+            except OSError:
+                pass  # a reset (ours or the peer's): the stream ends here either way
+            finally:
+                chunks.put_nowait(b"")  # end of stream, or the connection failed
+
+        receiving = asyncio.ensure_future(receive())
+        try:
+            while True:
+                data = await chunks.get()
+                await self._flowing.wait()  # stalled: hold the bytes
+                if self.latency_s:
+                    await asyncio.sleep(self.latency_s)
+                if pair not in self._pairs:  # dropped meanwhile
+                    return
+                if not data:
+                    if writer.can_write_eof():
+                        writer.write_eof()
+                    return
+                writer.write(data)
+                await writer.drain()
+        finally:
+            receiving.cancel()
