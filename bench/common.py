@@ -76,9 +76,11 @@ def run_interleaved(
     Block-by-block runs (``run_matrix``) let each method meet a different moment of a
     shared machine: on this 2-core VM, the loopback round trip moved between 225 and
     370 µs within minutes, more than the differences measured. Here every method
-    meets the same moments, cycle by cycle, so single-client ratios are stable to a
-    few percent. A method's cycles/s is its cycles over the time spent in its own
-    calls (``Sample.busy_ns``).
+    meets the same moments, cycle by cycle, so drift cannot favour one of them. Each
+    cycle then starts right after another method's, though, which changes what it
+    costs (bench/README.md): quote these ratios beside block runs, not instead of
+    them. A method's cycles/s is its cycles over the time spent in its own calls
+    (``Sample.busy_ns``).
     """
     import random
 
