@@ -56,9 +56,9 @@ class _Requests:
             if len(self._start) < len(_HTTP2_PREFACE) and _HTTP2_PREFACE.startswith(self._start):
                 return False  # the preface so far: no request yet, protocol not known
             self._http2 = self._start.startswith(_HTTP2_PREFACE)
-            data, self._start = self._start[len(_HTTP2_PREFACE) :], b""
-            if not self._http2:
-                return True
+            data, self._start = self._start, b""
+            if self._http2:
+                data = data[len(_HTTP2_PREFACE) :]
         if not self._http2:
             return bool(data)
         return self._opens_stream(data)
@@ -213,17 +213,17 @@ class FaultProxy:
         *,
         from_client: bool,
     ) -> None:
-        assert self._flowing is not None
+        flowing = self._flowing
+        assert flowing is not None
         # Reading goes on while stalled (only forwarding stops), so that a request
         # behind a client's control frame is seen as held.
         chunks: asyncio.Queue[bytes] = asyncio.Queue()
         requests = _Requests() if from_client else None
 
         async def receive() -> None:
-            assert self._flowing is not None
             try:
                 while data := await reader.read(65536):
-                    if requests is not None and requests.feed(data) and not self._flowing.is_set():
+                    if requests is not None and requests.feed(data) and not flowing.is_set():
                         self._held.set()
                     chunks.put_nowait(data)
             except OSError:
@@ -235,7 +235,7 @@ class FaultProxy:
         try:
             while True:
                 data = await chunks.get()
-                await self._flowing.wait()  # stalled: hold the bytes
+                await flowing.wait()  # stalled: hold the bytes
                 if self.latency_s:
                     await asyncio.sleep(self.latency_s)
                 if pair not in self._pairs:  # dropped meanwhile

@@ -37,14 +37,13 @@ def test_http2_control_frames_are_not_requests():
 
 
 def test_a_headers_frame_opens_a_request_wherever_the_chunks_split_it():
-    stream = (
+    before = (
         _HTTP2_PREFACE
         + frame(SETTINGS, 0, bytes(6))
         + frame(PING, 0, b"HEADERS!")  # payload bytes that look like a frame header
-        + frame(HEADERS, 3, b"\x83\x86" * 40)
-        + frame(DATA, 3, b"\x01" * 100)
     )
-    headers_at = len(_HTTP2_PREFACE) + 15 + 17
+    stream = before + frame(HEADERS, 3, b"\x83\x86" * 40) + frame(DATA, 3, b"\x01" * 100)
+    headers_at = len(before)
     for cut in range(1, len(stream)):
         first, second = stream[:cut], stream[cut:]
         # The request starts in the chunk that completes the HEADERS frame's header.
