@@ -262,6 +262,19 @@ def test_cleanup_in_is_locked_removes_lock_fields_but_keeps_the_fence(redis_serv
     harness.close()
 
 
+def test_cleanup_batches_stay_within_batch_size_when_scan_returns_more(rh):
+    # SCAN's COUNT is a hint: a call returns whole hash buckets, so with 300 keys some
+    # calls return more than one name for COUNT 1. Each batch must still be <= 1.
+    for n in range(300):
+        rh.redis.acquire(f"many:{n}", 1_000)
+    rh.advance(60_000)
+
+    batches = list(rh.redis.delete_expired(batch_size=1))
+
+    assert sum(batches) == 300
+    assert set(batches) == {1}
+
+
 def test_is_locked_never_writes_without_cleanup(rh):
     rh.redis.acquire("k", 1_000)
     rh.advance(60_000)

@@ -534,9 +534,12 @@ class RedisBackend(BaseLockBackend):
         guard, flag = CLEANUP_GUARD_MS["server"], "1" if dry_run else "0"
         while True:
             position, names = self._scan(position, match, batch_size)
-            if names:
-                keys = [n.decode() for n in names]
-                yield int(self._call("delete_expired", keys, [guard, flag]))
+            keys = [n.decode() for n in names]
+            # COUNT is only a hint: one SCAN call may return more names than asked for
+            # (a hash bucket is returned whole), and a batch must never exceed its size.
+            for start in range(0, len(keys), batch_size):
+                chunk = keys[start : start + batch_size]
+                yield int(self._call("delete_expired", chunk, [guard, flag]))
             if position == 0:
                 return
 
