@@ -27,6 +27,7 @@ from .errors import (
     ServiceUnavailable,
     StaleFenceError,
     SyncGuardError,
+    TransientError,
 )
 from .fencing import fenced_update, format_fence
 from .handler import locks
@@ -92,6 +93,7 @@ __all__ = [
     "ServiceUnavailable",
     "StaleFenceError",
     "SyncGuardError",
+    "TransientError",
     "aget_by_id",
     "aget_by_id_raw",
     "aget_by_key",

@@ -4,18 +4,22 @@
 
     SyncGuardError
     ├── LockError(code, message=None, context=None)   .code is one of ERROR_CODES
-    │   ├── ServiceUnavailable     server down, refused, conflict
+    │   ├── TransientError         worth retrying later:
+    │   │   ├── ServiceUnavailable     server down, refused, conflict
+    │   │   ├── RateLimited            quota or throttling
+    │   │   └── NetworkTimeout         an operation or connect timeout ran out
     │   ├── AuthFailed             bad credentials or permissions
     │   ├── InvalidArgument        bad key, lock id, TTL, option (also a ValueError)
-    │   ├── RateLimited            quota or throttling
-    │   ├── NetworkTimeout         an operation or connect timeout ran out
     │   ├── AcquisitionTimeout     lock()/locked() gave up retrying
     │   ├── Aborted                the caller's ``cancel`` was set
     │   └── Internal               anything unexpected, fence overflow
     └── StaleFenceError            fenced_update() met a newer fence
 
-``LockError("Aborted")`` builds an :class:`Aborted`, so ``except Aborted`` and
-``except LockError as e: e.code == "Aborted"`` are equivalent. Driver exceptions
+Each subclass fixes its code and takes the message first (``Aborted("stop")``).
+``LockError("Aborted", "stop")`` is a plain ``LockError`` with that code; the package
+itself always raises the subclass, so ``except Aborted`` and
+``except LockError as e: e.code == "Aborted"`` catch the same errors, and
+``LockError.for_code(code, ...)`` builds the subclass from a code. Driver exceptions
 are never raised as they are: backends map them to a ``LockError`` and chain the
 original (``raise ... from exc``; also kept as ``context["cause"]``).
 """
@@ -54,36 +58,16 @@ class SyncGuardError(Exception):
 class LockError(SyncGuardError):
     """A system failure of a lock operation (domain outcomes are results, not errors).
 
-    ``code`` classifies the failure; ``context`` may hold ``key``, ``lock_id`` and
-    ``cause``. The message never contains a raw lock id.
+    ``code`` classifies the failure; ``context`` may hold ``key``, ``key_hash``,
+    ``lock_id`` and ``cause``. The message never contains a raw lock id.
     """
-
-    #: Set on each subclass; ``None`` on ``LockError`` itself.
-    fixed_code: ClassVar[str | None] = None
-    _by_code: ClassVar[dict[str, type[LockError]]] = {}
 
     code: str
     context: dict[str, Any]
 
-    def __new__(cls, *args: Any, **kwargs: Any) -> LockError:
-        if cls is LockError:
-            code = kwargs.get("code", args[0] if args else None)
-            cls = LockError._by_code.get(code, LockError) if isinstance(code, str) else cls
-        return super().__new__(cls)
-
     def __init__(
-        self,
-        code: str | None = None,
-        message: str | None = None,
-        context: dict[str, Any] | None = None,
+        self, code: str, message: str | None = None, context: dict[str, Any] | None = None
     ) -> None:
-        fixed = type(self).fixed_code
-        if fixed is not None and code not in (None, fixed):
-            # Called as ``Aborted("message"[, context])``: the first argument is the message.
-            if isinstance(message, dict) and context is None:
-                context = message
-            message, code = code, fixed
-        code = code or fixed
         if code not in ERROR_CODES:
             raise ValueError(f"Unknown LockError code {code!r}; expected one of {ERROR_CODES}.")
         self.code = code
@@ -91,70 +75,108 @@ class LockError(SyncGuardError):
         self.context = dict(context or {})
         super().__init__(self.message)
 
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        if cls.fixed_code is not None:
-            LockError._by_code.setdefault(cls.fixed_code, cls)
+    @staticmethod
+    def for_code(
+        code: str, message: str | None = None, context: dict[str, Any] | None = None
+    ) -> LockError:
+        """The error of ``code`` as its subclass (``for_code("Aborted")`` is an
+        :class:`Aborted`); ``LockError(code)`` itself stays a plain ``LockError``."""
+        error_cls = _BY_CODE.get(code)
+        if error_cls is None:
+            return LockError(code, message, context)
+        return error_cls(message, context)
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Errors cross process borders (multiprocessing, Celery); the cause may not pickle.
         context = {k: v for k, v in self.context.items() if k != "cause"}
-        return (_rebuild_lock_error, (self.code, self.message, context))
+        return (_rebuild_lock_error, (type(self), self.code, self.message, context))
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(code={self.code!r}, message={self.message!r})"
 
 
-def _rebuild_lock_error(code: str, message: str, context: dict[str, Any]) -> LockError:
-    return LockError(code, message, context)
+def _rebuild_lock_error(
+    cls: type[LockError], code: str, message: str, context: dict[str, Any]
+) -> LockError:
+    error = cls.__new__(cls)
+    LockError.__init__(error, code, message, context)
+    return error
 
 
-class ServiceUnavailable(LockError):
+class _CodedError(LockError):
+    """A ``LockError`` whose class fixes the code: built as ``Aborted(message, context)``."""
+
+    fixed_code: ClassVar[str]
+
+    def __init__(self, message: str | None = None, context: dict[str, Any] | None = None) -> None:
+        super().__init__(self.fixed_code, message, context)
+
+
+class TransientError(_CodedError):
+    """Base of the codes worth retrying later: the server may answer next time."""
+
+
+class ServiceUnavailable(TransientError):
     """The backend could not be reached, refused the call, or hit a conflict."""
 
     fixed_code = "ServiceUnavailable"
 
 
-class AuthFailed(LockError):
+class AuthFailed(_CodedError):
     """The backend rejected the credentials or the permissions."""
 
     fixed_code = "AuthFailed"
 
 
-class InvalidArgument(LockError, ValueError):
+class InvalidArgument(_CodedError, ValueError):
     """An argument or option is malformed; raised before any I/O."""
 
     fixed_code = "InvalidArgument"
 
 
-class RateLimited(LockError):
+class RateLimited(TransientError):
     """The backend throttled the call or a quota ran out."""
 
     fixed_code = "RateLimited"
 
 
-class NetworkTimeout(LockError):
+class NetworkTimeout(TransientError):
     """A connect or operation timeout ran out."""
 
     fixed_code = "NetworkTimeout"
 
 
-class AcquisitionTimeout(LockError):
+class AcquisitionTimeout(_CodedError):
     """``lock()`` / ``locked()`` could not acquire within its retries and timeout."""
 
     fixed_code = "AcquisitionTimeout"
 
 
-class Aborted(LockError):
+class Aborted(_CodedError):
     """The caller's ``cancel`` was set, or the task was cancelled."""
 
     fixed_code = "Aborted"
 
 
-class Internal(LockError):
+class Internal(_CodedError):
     """An unexpected backend condition, including fence overflow."""
 
     fixed_code = "Internal"
+
+
+_BY_CODE: Final[dict[str, type[_CodedError]]] = {
+    cls.fixed_code: cls
+    for cls in (
+        ServiceUnavailable,
+        AuthFailed,
+        InvalidArgument,
+        RateLimited,
+        NetworkTimeout,
+        AcquisitionTimeout,
+        Aborted,
+        Internal,
+    )
+}
 
 
 class StaleFenceError(SyncGuardError):

@@ -28,6 +28,7 @@ from django_syncguard import (
     ServiceUnavailable,
     StaleFenceError,
     SyncGuardError,
+    TransientError,
     format_fence,
     generate_lock_id,
     has_fence,
@@ -37,6 +38,7 @@ from django_syncguard import (
     normalize_and_validate_key,
     validate_lock_id,
 )
+from django_syncguard.errors import ERROR_CODES, NetworkTimeout
 from django_syncguard.keys import make_fence_key
 
 
@@ -181,12 +183,23 @@ def test_is_live_with_zero_tolerance():
 
 
 # --------------------------------------------------------------------- errors
-def test_lock_error_dispatches_to_the_code_subclass():
+def test_lock_error_keeps_its_class_and_takes_the_code_first():
     error = LockError("Aborted", "stop", {"key": "k"})
-    assert type(error) is Aborted
-    assert isinstance(error, LockError) and isinstance(error, SyncGuardError)
+    assert type(error) is LockError
+    assert isinstance(error, SyncGuardError)
     assert (error.code, error.message, error.context) == ("Aborted", "stop", {"key": "k"})
     assert str(error) == "stop"
+
+
+def test_for_code_builds_the_code_subclass():
+    error = LockError.for_code("Aborted", "stop", {"key": "k"})
+    assert type(error) is Aborted
+    assert (error.code, error.message, error.context) == ("Aborted", "stop", {"key": "k"})
+
+
+def test_transient_codes_share_a_base():
+    transient = [c for c in ERROR_CODES if isinstance(LockError.for_code(c), TransientError)]
+    assert transient == ["ServiceUnavailable", "RateLimited", "NetworkTimeout"]
 
 
 def test_subclasses_take_message_first():
@@ -212,8 +225,14 @@ def test_unknown_code_is_refused():
         LockError("Nope")
 
 
-def test_lock_error_pickles_without_its_cause():
-    error = LockError("NetworkTimeout", "slow", {"key": "k", "cause": lambda: None})
+@pytest.mark.parametrize(
+    "error",
+    [
+        LockError("NetworkTimeout", "slow", {"key": "k", "cause": lambda: None}),
+        NetworkTimeout("slow", {"key": "k", "cause": lambda: None}),
+    ],
+)
+def test_lock_error_pickles_without_its_cause(error):
     clone = pickle.loads(pickle.dumps(error))
     assert type(clone) is type(error)
     assert (clone.code, clone.message, clone.context) == ("NetworkTimeout", "slow", {"key": "k"})
