@@ -55,3 +55,7 @@ RESERVE_BYTES: Final = MappingProxyType({"REDIS": 26, "POSTGRES": 0, "FIRESTORE"
 #: leave at least 1000 ms after the record stops being live, so no extend that saw
 #: it live can be racing the delete.
 CLEANUP_GUARD_MS: Final = MappingProxyType({"server": 2000, "client": TIME_TOLERANCE_MS + 1000})
+
+#: Largest page ``list_locks`` returns and largest ``delete_expired`` batch.
+MAX_PAGE_SIZE: Final = 1_000
+MAX_BATCH_SIZE: Final = 10_000

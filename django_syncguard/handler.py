@@ -8,6 +8,8 @@ Settings are read on first use, never at import, and re-read when a test overrid
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import threading
 from typing import TYPE_CHECKING, Any
 
@@ -17,7 +19,7 @@ from django.dispatch import receiver
 from django.utils.connection import BaseConnectionHandler
 from django.utils.module_loading import import_string
 
-from .backends.base import BaseLockBackend
+from .contract import LockBackend, missing_operations
 
 DEFAULT_ALIAS = "default"
 SETTINGS_NAME = "SYNCGUARD_BACKENDS"
@@ -38,7 +40,7 @@ BACKEND_EXTRAS = {
 
 
 if TYPE_CHECKING:
-    _HandlerBase = BaseConnectionHandler[BaseLockBackend]
+    _HandlerBase = BaseConnectionHandler[LockBackend]
 else:  # Django's handler is generic only in django-stubs
     _HandlerBase = BaseConnectionHandler
 
@@ -66,13 +68,15 @@ class LockHandler(_HandlerBase):
         if settings is None:
             from django.conf import settings as django_settings
 
-            settings = getattr(django_settings, SETTINGS_NAME, None) or DEFAULT_BACKENDS
+            settings = getattr(django_settings, SETTINGS_NAME, None)
+            if settings is None:  # absent; an empty dict is refused by syncguard.E007
+                settings = DEFAULT_BACKENDS
         if not isinstance(settings, dict):
             raise InvalidBackendError(f"{SETTINGS_NAME} must be a dict of alias -> config.")
         return settings
 
-    def __getitem__(self, alias: str) -> BaseLockBackend:
-        backend: BaseLockBackend | None = getattr(self._connections, alias, None)
+    def __getitem__(self, alias: str) -> LockBackend:
+        backend: LockBackend | None = getattr(self._connections, alias, None)
         if backend is not None:
             return backend
         with self._mutex:
@@ -87,27 +91,32 @@ class LockHandler(_HandlerBase):
                 setattr(self._connections, alias, backend)
         return backend
 
-    def create_connection(self, alias: str) -> BaseLockBackend:
-        params = dict(self.settings[alias])
-        path = params.get("BACKEND")
-        if not path:
+    def backend_class(self, alias: str) -> type[LockBackend]:
+        """The class ``SYNCGUARD_BACKENDS[alias]["BACKEND"]`` names, imported."""
+        path = self.settings[alias].get("BACKEND")
+        if not path or not isinstance(path, str):
             raise InvalidBackendError(f"{SETTINGS_NAME}[{alias!r}] has no 'BACKEND'.")
         try:
             backend_cls = import_string(path)
         except ImportError as exc:
             raise InvalidBackendError(backend_import_message(alias, path, exc)) from exc
-        if not (isinstance(backend_cls, type) and issubclass(backend_cls, BaseLockBackend)):
+        missing = missing_operations(backend_cls) if isinstance(backend_cls, type) else ["all"]
+        if missing:
             raise InvalidBackendError(
                 f"{SETTINGS_NAME}[{alias!r}]['BACKEND'] = {path!r} is not a lock backend "
                 "(a subclass of django_syncguard.backends.base.BaseLockBackend)."
+                + _module_hint(path)
             )
+        return backend_cls  # type: ignore[no-any-return]
+
+    def create_connection(self, alias: str) -> LockBackend:
+        backend_cls = self.backend_class(alias)
         try:
-            backend: BaseLockBackend = backend_cls(alias, params)
+            return backend_cls(alias, dict(self.settings[alias]))  # type: ignore[call-arg]
         except ImproperlyConfigured as exc:  # e.g. the backend's pip extra is missing
             raise InvalidBackendError(f"{SETTINGS_NAME}[{alias!r}]: {exc}") from exc
-        return backend
 
-    def all(self, initialized_only: bool = False) -> list[BaseLockBackend]:
+    def all(self, initialized_only: bool = False) -> list[LockBackend]:
         return [
             self[alias]
             for alias in self
@@ -132,7 +141,34 @@ class LockHandler(_HandlerBase):
 def backend_import_message(alias: str, path: str, exc: ImportError) -> str:
     extra = BACKEND_EXTRAS.get(path)
     hint = f' Install it with: pip install "django-syncguard[{extra}]".' if extra else ""
+    hint = hint or _module_hint(path)
     return f"{SETTINGS_NAME}[{alias!r}]['BACKEND'] = {path!r} cannot be imported: {exc}.{hint}"
+
+
+def _module_hint(path: str) -> str:
+    """When ``path`` names a module rather than a class, say so and name its backends."""
+    try:
+        module = importlib.import_module(path)
+    except Exception:  # not a module (or a broken one): nothing to add
+        return ""
+    classes = [
+        f"{path}.{name}"
+        for name, value in vars(module).items()
+        if inspect.isclass(value)
+        and value.__module__ == module.__name__
+        and not inspect.isabstract(value)
+        and not missing_operations(value)
+    ]
+    suggestion = f": {' or '.join(repr(c) for c in classes)}" if classes else ""
+    return f" It names a module; BACKEND names a backend class{suggestion}."
+
+
+def resolve_backend(using: str | LockBackend) -> LockBackend:
+    """An alias of ``SYNCGUARD_BACKENDS`` (looked up in :data:`locks`), or a backend
+    object used as it is."""
+    if isinstance(using, str):
+        return locks[using]
+    return using
 
 
 locks = LockHandler()

@@ -19,9 +19,9 @@ from collections.abc import MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
-from .backends.base import BaseLockBackend, LockPage
+from .contract import LockBackend
 from .keys import hash_key
-from .results import ReleaseResult
+from .results import LockPage, ReleaseResult
 from .signals import lock_force_released, prepare, send
 
 logger = logging.getLogger("django_syncguard.inspector")
@@ -108,9 +108,7 @@ def rows_of(page: LockPage, alias: str, tokens: Tokens, *, show_keys: bool) -> l
     return rows
 
 
-def force_release(
-    backend: BaseLockBackend, target: Target, *, user: Any, reason: str
-) -> ReleaseResult:
+def force_release(backend: LockBackend, target: Target, *, user: Any, reason: str) -> ReleaseResult:
     """Release ``target`` for its holder and tell ``lock_force_released`` receivers."""
     result = backend.force_release(target.key, target.lock_id_hash)
     username = getattr(user, "get_username", lambda: None)()

@@ -20,27 +20,20 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import asynccontextmanager, contextmanager
-from contextvars import ContextVar
-from dataclasses import dataclass, field
+from contextvars import ContextVar, Token
 from typing import Any
 
 from django.dispatch import Signal
 
 from . import signals
-from .backends.base import BaseLockBackend, validate_ttl
-from .cancellation import CancelToken, validate_cancel
-from .constants import DEFAULT_TTL_MS
-from .errors import InvalidArgument, LockError
-from .keys import hash_key, normalize_and_validate_key
+from .contract import LockBackend
+from .errors import LockError
+from .keys import hash_key
 from .results import AcquireResult, ExtendResult, ReleaseResult
-from .retry import Backoff, Jitter, RetryPolicy, aacquire_with_retry, acquire_with_retry
 from .signals import Outgoing
+from .ttl import validate_ttl
 
 logger = logging.getLogger("django_syncguard.leases")
-
-ReleaseErrorHandler = Callable[[BaseException, dict[str, str]], Any]
 
 _held: ContextVar[tuple[Lease, ...]] = ContextVar("django_syncguard_held", default=())
 
@@ -51,12 +44,20 @@ def current_lock() -> Lease | None:
     return held[-1] if held else None
 
 
+def push_current(lease: Lease) -> Token[tuple[Lease, ...]]:
+    """Make ``lease`` the running code's innermost one; undo with :func:`pop_current`."""
+    return _held.set((*_held.get(), lease))
+
+
+def pop_current(token: Token[tuple[Lease, ...]]) -> None:
+    """Undo the :func:`push_current` that returned ``token``."""
+    _held.reset(token)
+
+
 class Lease:
     """A lock held through ``lock()`` / ``locked()``; see the module docstring."""
 
-    def __init__(
-        self, backend: BaseLockBackend, key: str, result: AcquireResult, ttl_ms: int
-    ) -> None:
+    def __init__(self, backend: LockBackend, key: str, result: AcquireResult, ttl_ms: int) -> None:
         assert result.ok and result.lock_id is not None and result.expires_at_ms is not None
         self.backend = backend
         self.key = key
@@ -247,158 +248,3 @@ class _ThreadRenewer(threading.Thread):
         self._stop_event.set()
         if self is not threading.current_thread():
             self.join()
-
-
-class _Attempts:
-    """Counts a hold's acquire attempts for ``lock_contended`` and ``lock_acquired``.
-
-    Wrapping the attempt callable keeps the retry loop (``retry.py``) unaware of
-    signals.
-    """
-
-    def __init__(self, backend: BaseLockBackend, key: str) -> None:
-        self.backend = backend
-        self.key = key
-        self.made = 0
-
-    def count(self, result: AcquireResult) -> list[Outgoing]:
-        """Record one attempt; a contended one calls for ``lock_contended``."""
-        self.made += 1
-        if result.ok:
-            return []
-        return signals.prepare(
-            signals.lock_contended, self.backend, key=self.key, attempt=self.made
-        )
-
-    def acquired(self, lease: Lease) -> list[Outgoing]:
-        """``lock_acquired`` for the lease the last attempt produced."""
-        return lease._signal(
-            signals.lock_acquired, expires_at_ms=lease.expires_at_ms, attempts=self.made
-        )
-
-
-def resolve_backend(using: str | BaseLockBackend) -> BaseLockBackend:
-    """An alias of ``SYNCGUARD_BACKENDS``, or a backend object used as it is."""
-    if isinstance(using, str):
-        from .handler import locks
-
-        return locks[using]
-    return using
-
-
-@dataclass(frozen=True)
-class LockSpec:
-    """Validated options of one ``lock()`` / ``locked()``; reads no settings."""
-
-    using: str | BaseLockBackend = "default"
-    ttl_ms: int = DEFAULT_TTL_MS
-    policy: RetryPolicy = field(default_factory=RetryPolicy)
-    cancel: CancelToken | None = None
-    on_release_error: ReleaseErrorHandler | None = None
-    auto_extend: bool = False
-
-    @classmethod
-    def from_options(
-        cls,
-        *,
-        using: str | BaseLockBackend,
-        ttl_ms: int,
-        max_retries: int,
-        retry_delay_ms: float,
-        timeout_ms: float,
-        backoff: Backoff,
-        jitter: Jitter,
-        cancel: Any,
-        on_release_error: ReleaseErrorHandler | None,
-        auto_extend: bool,
-    ) -> LockSpec:
-        """Build from the flat keyword options of ``lock()`` / ``locked()``."""
-        return cls(
-            using=using,
-            ttl_ms=ttl_ms,
-            policy=RetryPolicy(max_retries, retry_delay_ms, timeout_ms, backoff, jitter),
-            cancel=cancel,
-            on_release_error=on_release_error,
-            auto_extend=auto_extend,
-        )
-
-    def __post_init__(self) -> None:
-        validate_ttl(self.ttl_ms)
-        validate_cancel(self.cancel)
-        if not isinstance(self.using, str) and not callable(getattr(self.using, "acquire", None)):
-            raise InvalidArgument("using must be an alias of SYNCGUARD_BACKENDS or a backend.")
-        if self.on_release_error is not None and not callable(self.on_release_error):
-            raise InvalidArgument("on_release_error must be callable.")
-        if not isinstance(self.auto_extend, bool):
-            raise InvalidArgument("auto_extend must be True or False.")
-
-    @contextmanager
-    def hold(self, key: str) -> Iterator[Lease]:
-        """Acquire (with retries), yield the lease, always release."""
-        key = normalize_and_validate_key(key)
-        backend = resolve_backend(self.using)
-        attempts = _Attempts(backend, key)
-
-        def attempt() -> AcquireResult:
-            result = backend.acquire(key, self.ttl_ms, cancel=self.cancel)
-            signals.send(attempts.count(result))
-            return result
-
-        result = acquire_with_retry(attempt, self.policy, key=key, cancel=self.cancel)
-        lease = Lease(backend, key, result, self.ttl_ms)
-        token = _held.set((*_held.get(), lease))
-        try:
-            # Inside the try: whatever a receiver does, the lock is released.
-            signals.send(attempts.acquired(lease))
-            if self.auto_extend:
-                lease.start_renewal()
-            yield lease
-        finally:
-            _held.reset(token)
-            # The caller's cancel must not stop the release: it would leave the lock held.
-            try:
-                lease.release()
-            except Exception as exc:
-                self._release_failed(exc, lease)
-
-    @asynccontextmanager
-    async def ahold(self, key: str) -> AsyncIterator[Lease]:
-        key = normalize_and_validate_key(key)
-        backend = resolve_backend(self.using)
-        attempts = _Attempts(backend, key)
-
-        async def attempt() -> AcquireResult:
-            result = await backend.aacquire(key, self.ttl_ms, cancel=self.cancel)
-            await signals.asend(attempts.count(result))
-            return result
-
-        result = await aacquire_with_retry(attempt, self.policy, key=key, cancel=self.cancel)
-        lease = Lease(backend, key, result, self.ttl_ms)
-        token = _held.set((*_held.get(), lease))
-        try:
-            # Inside the try: a cancelled send or a receiver still ends in a release.
-            await signals.asend(attempts.acquired(lease))
-            if self.auto_extend:
-                lease.start_renewal(asynchronous=True)
-            yield lease
-        finally:
-            _held.reset(token)
-            try:
-                # Shielded: a cancelled task still releases its lock.
-                await asyncio.shield(lease.arelease())
-            except Exception as exc:
-                self._release_failed(exc, lease)
-
-    def _release_failed(self, exc: BaseException, lease: Lease) -> None:
-        """Report a release error without masking the critical section's outcome."""
-        if self.on_release_error is None:
-            logger.warning(
-                "Releasing the lock on key %s failed: %r. It will expire by its TTL.",
-                hash_key(lease.key),
-                exc,
-            )
-            return
-        try:
-            self.on_release_error(exc, {"key": lease.key, "lock_id": lease.lock_id})
-        except Exception:
-            logger.exception("on_release_error raised; ignored.")

@@ -9,60 +9,56 @@ from __future__ import annotations
 
 from typing import Any
 
-from .backends.base import BaseLockBackend
+from .contract import LockBackend
 from .results import LockInfo, LockInfoDebug
 
 
-def get_by_key(backend: BaseLockBackend, key: str, *, cancel: Any = None) -> LockInfo | None:
+def get_by_key(backend: LockBackend, key: str, *, cancel: Any = None) -> LockInfo | None:
     """Sanitized info about the live lock on ``key``, or ``None``."""
     return backend.lookup(key=key, cancel=cancel)
 
 
-def get_by_id(backend: BaseLockBackend, lock_id: str, *, cancel: Any = None) -> LockInfo | None:
+def get_by_id(backend: LockBackend, lock_id: str, *, cancel: Any = None) -> LockInfo | None:
     """Sanitized info about the live lock ``lock_id`` names, or ``None``."""
     return backend.lookup(lock_id=lock_id, cancel=cancel)
 
 
-def get_by_key_raw(
-    backend: BaseLockBackend, key: str, *, cancel: Any = None
-) -> LockInfoDebug | None:
+def get_by_key_raw(backend: LockBackend, key: str, *, cancel: Any = None) -> LockInfoDebug | None:
     """Like :func:`get_by_key`, with the raw key and lock id."""
     return backend.lookup_raw(key=key, cancel=cancel)
 
 
 def get_by_id_raw(
-    backend: BaseLockBackend, lock_id: str, *, cancel: Any = None
+    backend: LockBackend, lock_id: str, *, cancel: Any = None
 ) -> LockInfoDebug | None:
     """Like :func:`get_by_id`, with the raw key and lock id."""
     return backend.lookup_raw(lock_id=lock_id, cancel=cancel)
 
 
-def owns(backend: BaseLockBackend, lock_id: str, *, cancel: Any = None) -> bool:
+def owns(backend: LockBackend, lock_id: str, *, cancel: Any = None) -> bool:
     """True while ``lock_id`` names a live lock."""
     return backend.lookup(lock_id=lock_id, cancel=cancel) is not None
 
 
-async def aget_by_key(backend: BaseLockBackend, key: str, *, cancel: Any = None) -> LockInfo | None:
+async def aget_by_key(backend: LockBackend, key: str, *, cancel: Any = None) -> LockInfo | None:
     return await backend.alookup(key=key, cancel=cancel)
 
 
-async def aget_by_id(
-    backend: BaseLockBackend, lock_id: str, *, cancel: Any = None
-) -> LockInfo | None:
+async def aget_by_id(backend: LockBackend, lock_id: str, *, cancel: Any = None) -> LockInfo | None:
     return await backend.alookup(lock_id=lock_id, cancel=cancel)
 
 
 async def aget_by_key_raw(
-    backend: BaseLockBackend, key: str, *, cancel: Any = None
+    backend: LockBackend, key: str, *, cancel: Any = None
 ) -> LockInfoDebug | None:
     return await backend.alookup_raw(key=key, cancel=cancel)
 
 
 async def aget_by_id_raw(
-    backend: BaseLockBackend, lock_id: str, *, cancel: Any = None
+    backend: LockBackend, lock_id: str, *, cancel: Any = None
 ) -> LockInfoDebug | None:
     return await backend.alookup_raw(lock_id=lock_id, cancel=cancel)
 
 
-async def aowns(backend: BaseLockBackend, lock_id: str, *, cancel: Any = None) -> bool:
+async def aowns(backend: LockBackend, lock_id: str, *, cancel: Any = None) -> bool:
     return await backend.alookup(lock_id=lock_id, cancel=cancel) is not None

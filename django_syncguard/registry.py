@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
-    from .leases import LockSpec
+    from .acquisition import LockSpec
 
 
 class LockedFunction(NamedTuple):

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from .keys import hash_key
+
 TimeAuthority = Literal["server", "client"]
 FailureReason = Literal["expired", "not-found"]
 
@@ -151,3 +153,39 @@ class LockInfoDebug:
 def has_fence(result: AcquireResult) -> bool:
     """True when ``result`` is a successful acquisition that carries a fence."""
     return bool(result.ok and result.fence)
+
+
+@dataclass(frozen=True, slots=True)
+class LockRecord:
+    """A stored lock as a backend reads it (raw key and lock id); never public."""
+
+    key: str
+    lock_id: str
+    expires_at_ms: int
+    acquired_at_ms: int
+    fence: str | None
+
+    def debug_info(self) -> LockInfoDebug:
+        return LockInfoDebug(
+            key_hash=hash_key(self.key),
+            lock_id_hash=hash_key(self.lock_id),
+            expires_at_ms=self.expires_at_ms,
+            acquired_at_ms=self.acquired_at_ms,
+            fence=self.fence,
+            key=self.key,
+            lock_id=self.lock_id,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class LockPage:
+    """One page of live locks, as the admin inspector shows them.
+
+    ``next_cursor`` is an opaque string for the following page (``None`` on the last
+    one); ``now_ms`` is the backend's clock when the page was read, so remaining TTLs
+    are computed against the time authority, not the web server's clock.
+    """
+
+    records: tuple[LockRecord, ...]
+    next_cursor: str | None
+    now_ms: int

@@ -85,7 +85,7 @@ from django.dispatch import Signal
 from .keys import hash_key
 
 if TYPE_CHECKING:
-    from .backends.base import BaseLockBackend
+    from .contract import LockBackend
 
 logger = logging.getLogger("django_syncguard.signals")
 
@@ -123,7 +123,7 @@ class Outgoing:
 
 def prepare(
     signal: Signal,
-    backend: BaseLockBackend,
+    backend: LockBackend,
     *,
     key: str,
     lock_id: str | None = None,

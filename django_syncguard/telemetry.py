@@ -16,10 +16,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
-from .backends.base import BaseLockBackend
 from .constants import DEFAULT_TTL_MS
+from .contract import LockBackend
 from .keys import hash_key, normalize_and_validate_key
-from .results import AcquireResult, ExtendResult, LockInfoDebug, ReleaseResult
+from .results import AcquireResult, ExtendResult, LockInfo, LockInfoDebug, ReleaseResult
 
 logger = logging.getLogger("django_syncguard.telemetry")
 
@@ -43,27 +43,29 @@ class LockEvent:
 IncludeRaw = bool | Callable[[LockEvent], bool]
 
 
-class TelemetryBackend(BaseLockBackend):
-    """A backend that forwards to ``inner`` and reports each completed call."""
+class TelemetryBackend:
+    """A proxy for ``inner`` that reports each completed lock operation.
+
+    The five operations and their lookups are wrapped; every other attribute and
+    operation (capabilities, housekeeping, checks, ``close``) is the wrapped
+    backend's own, reached through ``__getattr__``.
+    """
 
     def __init__(
         self,
-        inner: BaseLockBackend,
+        inner: LockBackend,
         on_event: Callable[[LockEvent], Any],
         include_raw: IncludeRaw = False,
     ) -> None:
-        # No super().__init__: the wrapper has no settings of its own.
         self.inner = inner
         self.on_event = on_event
         self.include_raw = include_raw
-        self.alias = inner.alias
-        self.capabilities = inner.capabilities
-        self.cleanup_in_is_locked = inner.cleanup_in_is_locked
 
     def __repr__(self) -> str:
         return f"<TelemetryBackend of {self.inner!r}>"
 
     def __getattr__(self, name: str) -> Any:
+        # Only called for names this class does not define.
         return getattr(self.inner, name)
 
     def _emit(
@@ -140,6 +142,18 @@ class TelemetryBackend(BaseLockBackend):
         self._emit("is_locked", result, key=key)
         return result
 
+    def lookup(
+        self, *, key: str | None = None, lock_id: str | None = None, cancel: Any = None
+    ) -> LockInfo | None:
+        raw = self.lookup_raw(key=key, lock_id=lock_id, cancel=cancel)
+        return raw.sanitized() if raw else None
+
+    async def alookup(
+        self, *, key: str | None = None, lock_id: str | None = None, cancel: Any = None
+    ) -> LockInfo | None:
+        raw = await self.alookup_raw(key=key, lock_id=lock_id, cancel=cancel)
+        return raw.sanitized() if raw else None
+
     def lookup_raw(
         self, *, key: str | None = None, lock_id: str | None = None, cancel: Any = None
     ) -> LockInfoDebug | None:
@@ -153,12 +167,6 @@ class TelemetryBackend(BaseLockBackend):
         info = await self.inner.alookup_raw(key=key, lock_id=lock_id, cancel=cancel)
         self._emit("lookup", info is not None, key=key, lock_id=lock_id)
         return info
-
-    def check(self, **kwargs: Any) -> list[Any]:
-        return self.inner.check(**kwargs)
-
-    def close(self, **kwargs: Any) -> None:
-        self.inner.close(**kwargs)
 
 
 _detached: set[asyncio.Task[Any]] = set()
@@ -183,7 +191,7 @@ def _detached_done(task: asyncio.Task[Any]) -> None:
 
 
 def with_telemetry(
-    backend: BaseLockBackend,
+    backend: LockBackend,
     on_event: Callable[[LockEvent], Any],
     include_raw: IncludeRaw = False,
 ) -> TelemetryBackend:

@@ -76,3 +76,30 @@ def test_import_needs_no_settings():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "000000000000001 locked('k')"
+
+
+def test_importing_the_core_loads_no_backend_module():
+    # The core modules depend on the contract (django_syncguard.contract), never on
+    # backends/: a backend module is loaded only when an alias names it.
+    code = (
+        "import sys, django_syncguard, django_syncguard.checks, django_syncguard.acquisition;"
+        "print(sorted(m for m in sys.modules if m.startswith('django_syncguard.backends')))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"
+
+
+def test_no_backend_imports_the_checks_module():
+    import ast
+    from pathlib import Path
+
+    package = Path(django_syncguard.__file__).parent
+    importers = []
+    for path in sorted((package / "backends").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            ours = isinstance(node, ast.ImportFrom) and (
+                (node.level and node.module == "checks") or node.module == "django_syncguard.checks"
+            )
+            if ours:
+                importers.append(path.name)
+    assert importers == []

@@ -90,3 +90,26 @@ async def test_async_twins_emit_and_async_callbacks_are_not_awaited(mem):
     await asyncio.wait_for(seen.wait(), 5)
     assert events[0].type == "acquire"
     assert (await backend.arelease(result.lock_id)).ok is True
+
+
+def test_the_wrapper_is_a_plain_proxy_of_every_attribute_and_housekeeping(mem):
+    events: list[LockEvent] = []
+    backend = with_telemetry(mem.backend, events.append)
+    assert backend.capabilities == mem.backend.capabilities
+    assert (backend.capabilities.backend, backend.capabilities.time_authority) == (
+        "memory",
+        "client",
+    )
+    assert (backend.backend_name, backend.time_authority) == ("memory", "client")
+    assert backend.alias == mem.backend.alias
+    held = backend.acquire("live", 1_000)
+    backend.acquire("old", 1_000)
+    mem.advance(1_000 + 2_000 + 1)
+    backend.acquire("live", 60_000)  # the expired "live" record is taken over
+    [record] = backend.list_locks().records
+    assert record.key == "live"
+    assert list(backend.delete_expired(batch_size=10)) == [1]
+    assert backend.force_release("live", hash_key(record.lock_id)).ok is True
+    assert backend.is_locked("live") is False
+    assert held.ok is True
+    assert [e.type for e in events] == ["acquire", "acquire", "acquire", "is_locked"]

@@ -11,8 +11,8 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from ...backends.base import MAX_BATCH_SIZE, BaseLockBackend
-from ...constants import CLEANUP_GUARD_MS
+from ...constants import CLEANUP_GUARD_MS, MAX_BATCH_SIZE
+from ...contract import LockBackend
 from ...errors import LockError
 from ...handler import InvalidBackendError, locks
 
@@ -97,11 +97,12 @@ class Command(BaseCommand):
             self.stdout.write(summary(alias, total, dry_run))
 
 
-def describe(alias: str, backend: BaseLockBackend, dry_run: bool) -> str:
-    guard = CLEANUP_GUARD_MS[backend.time_authority]
+def describe(alias: str, backend: LockBackend, dry_run: bool) -> str:
+    authority = backend.capabilities.time_authority
+    guard = CLEANUP_GUARD_MS[authority]
     verb = "counting" if dry_run else "deleting"
     return (
-        f"{alias} ({backend.capabilities.backend}, {backend.time_authority} time): {verb} "
+        f"{alias} ({backend.capabilities.backend}, {authority} time): {verb} "
         f"lock records expired more than {guard} ms ago; fence counters are kept."
     )
 

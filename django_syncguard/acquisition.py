@@ -1,0 +1,209 @@
+"""Acquire and hold: the one code path behind ``locked``, ``lock()`` and ``alock()``.
+
+:class:`LockOptions` declares the acquisition options once; every entry point takes
+them as keyword arguments (``**options: Unpack[LockOptions]``) and hands them to
+:meth:`LockSpec.from_options`, which validates them (before any I/O) into a frozen
+:class:`LockSpec`. :meth:`LockSpec.hold` / :meth:`LockSpec.ahold` then resolve the
+backend, acquire with the retry loop of :mod:`~django_syncguard.retry`, yield the
+:class:`~django_syncguard.leases.Lease` and always release it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from contextlib import asynccontextmanager, contextmanager
+from dataclasses import dataclass, field, fields
+from typing import Any, TypedDict
+
+from . import signals
+from .cancellation import CancelToken, validate_cancel
+from .constants import (
+    DEFAULT_BACKOFF,
+    DEFAULT_JITTER,
+    DEFAULT_MAX_RETRIES,
+    DEFAULT_RETRY_DELAY_MS,
+    DEFAULT_TIMEOUT_MS,
+    DEFAULT_TTL_MS,
+)
+from .contract import LockBackend
+from .errors import InvalidArgument
+from .handler import resolve_backend
+from .keys import hash_key, normalize_and_validate_key
+from .leases import Lease, pop_current, push_current
+from .results import AcquireResult
+from .retry import Backoff, Jitter, RetryPolicy, aacquire_with_retry, acquire_with_retry
+from .signals import Outgoing
+from .ttl import validate_ttl
+
+logger = logging.getLogger("django_syncguard.acquisition")
+
+ReleaseErrorHandler = Callable[[BaseException, dict[str, str]], Any]
+
+
+class LockOptions(TypedDict, total=False):
+    """The acquisition options of ``locked``, ``lock()`` and ``alock()``.
+
+    Their defaults and validation are :class:`LockSpec`'s fields (a test keeps the
+    two lists equal). See ``specs/contract.md`` (Helpers) for what each one does.
+    """
+
+    using: str | LockBackend
+    ttl_ms: int
+    max_retries: int
+    retry_delay_ms: float
+    timeout_ms: float
+    backoff: Backoff
+    jitter: Jitter
+    cancel: Any
+    on_release_error: ReleaseErrorHandler | None
+    auto_extend: bool
+
+
+@dataclass(frozen=True)
+class LockSpec:
+    """Validated :class:`LockOptions` with their defaults; reads no settings."""
+
+    using: str | LockBackend = "default"
+    ttl_ms: int = DEFAULT_TTL_MS
+    max_retries: int = DEFAULT_MAX_RETRIES
+    retry_delay_ms: float = DEFAULT_RETRY_DELAY_MS
+    timeout_ms: float = DEFAULT_TIMEOUT_MS
+    backoff: Backoff = DEFAULT_BACKOFF
+    jitter: Jitter = DEFAULT_JITTER
+    cancel: CancelToken | None = None
+    on_release_error: ReleaseErrorHandler | None = None
+    auto_extend: bool = False
+    #: The retry options as the retry loop takes them.
+    policy: RetryPolicy = field(init=False, repr=False, compare=False)
+
+    @classmethod
+    def from_options(cls, caller: str, options: Mapping[str, Any]) -> LockSpec:
+        """Build from the keyword options ``caller`` received; ``InvalidArgument``
+        names any option that does not exist."""
+        unknown = set(options) - OPTION_NAMES
+        if unknown:
+            raise InvalidArgument(
+                f"{caller}() got unknown option(s) {', '.join(sorted(unknown))}; "
+                f"the options are {', '.join(sorted(OPTION_NAMES))}."
+            )
+        return cls(**options)
+
+    def __post_init__(self) -> None:
+        policy = RetryPolicy(
+            self.max_retries, self.retry_delay_ms, self.timeout_ms, self.backoff, self.jitter
+        )
+        object.__setattr__(self, "policy", policy)
+        validate_ttl(self.ttl_ms)
+        validate_cancel(self.cancel)
+        if not isinstance(self.using, str) and not callable(getattr(self.using, "acquire", None)):
+            raise InvalidArgument("using must be an alias of SYNCGUARD_BACKENDS or a backend.")
+        if self.on_release_error is not None and not callable(self.on_release_error):
+            raise InvalidArgument("on_release_error must be callable.")
+        if not isinstance(self.auto_extend, bool):
+            raise InvalidArgument("auto_extend must be True or False.")
+
+    @contextmanager
+    def hold(self, key: str) -> Iterator[Lease]:
+        """Acquire (with retries), yield the lease, always release."""
+        key = normalize_and_validate_key(key)
+        backend = resolve_backend(self.using)
+        attempts = _Attempts(backend, key)
+
+        def attempt() -> AcquireResult:
+            result = backend.acquire(key, self.ttl_ms, cancel=self.cancel)
+            signals.send(attempts.count(result))
+            return result
+
+        result = acquire_with_retry(attempt, self.policy, key=key, cancel=self.cancel)
+        lease = Lease(backend, key, result, self.ttl_ms)
+        token = push_current(lease)
+        try:
+            # Inside the try: whatever a receiver does, the lock is released.
+            signals.send(attempts.acquired(lease))
+            if self.auto_extend:
+                lease.start_renewal()
+            yield lease
+        finally:
+            pop_current(token)
+            # The caller's cancel must not stop the release: it would leave the lock held.
+            try:
+                lease.release()
+            except Exception as exc:
+                self._release_failed(exc, lease)
+
+    @asynccontextmanager
+    async def ahold(self, key: str) -> AsyncIterator[Lease]:
+        """Async twin of :meth:`hold`."""
+        key = normalize_and_validate_key(key)
+        backend = resolve_backend(self.using)
+        attempts = _Attempts(backend, key)
+
+        async def attempt() -> AcquireResult:
+            result = await backend.aacquire(key, self.ttl_ms, cancel=self.cancel)
+            await signals.asend(attempts.count(result))
+            return result
+
+        result = await aacquire_with_retry(attempt, self.policy, key=key, cancel=self.cancel)
+        lease = Lease(backend, key, result, self.ttl_ms)
+        token = push_current(lease)
+        try:
+            # Inside the try: a cancelled send or a receiver still ends in a release.
+            await signals.asend(attempts.acquired(lease))
+            if self.auto_extend:
+                lease.start_renewal(asynchronous=True)
+            yield lease
+        finally:
+            pop_current(token)
+            try:
+                # Shielded: a cancelled task still releases its lock.
+                await asyncio.shield(lease.arelease())
+            except Exception as exc:
+                self._release_failed(exc, lease)
+
+    def _release_failed(self, exc: BaseException, lease: Lease) -> None:
+        """Report a release error without masking the critical section's outcome."""
+        if self.on_release_error is None:
+            logger.warning(
+                "Releasing the lock on key %s failed: %r. It will expire by its TTL.",
+                hash_key(lease.key),
+                exc,
+            )
+            return
+        try:
+            self.on_release_error(exc, {"key": lease.key, "lock_id": lease.lock_id})
+        except Exception:
+            logger.exception("on_release_error raised; ignored.")
+
+
+#: The option names, from the fields of :class:`LockSpec` that ``__init__`` takes.
+OPTION_NAMES = frozenset(f.name for f in fields(LockSpec) if f.init)
+
+
+class _Attempts:
+    """Counts a hold's acquire attempts for ``lock_contended`` and ``lock_acquired``.
+
+    Wrapping the attempt callable keeps the retry loop (``retry.py``) unaware of
+    signals.
+    """
+
+    def __init__(self, backend: LockBackend, key: str) -> None:
+        self.backend = backend
+        self.key = key
+        self.made = 0
+
+    def count(self, result: AcquireResult) -> list[Outgoing]:
+        """Record one attempt; a contended one calls for ``lock_contended``."""
+        self.made += 1
+        if result.ok:
+            return []
+        return signals.prepare(
+            signals.lock_contended, self.backend, key=self.key, attempt=self.made
+        )
+
+    def acquired(self, lease: Lease) -> list[Outgoing]:
+        """``lock_acquired`` for the lease the last attempt produced."""
+        return lease._signal(
+            signals.lock_acquired, expires_at_ms=lease.expires_at_ms, attempts=self.made
+        )

@@ -1,0 +1,124 @@
+"""The backend contract as a type: what the rest of the package asks of a backend.
+
+The core modules (the acquisition code, leases, decorators, the handler, telemetry,
+signals, the inspector) are written against :class:`LockBackend`, never against a
+module of ``backends/``: the bundled backends subclass
+:class:`~django_syncguard.backends.base.BaseLockBackend`, which implements this
+protocol, and the telemetry wrapper implements it by forwarding. See
+``specs/contract.md`` (Operations, Housekeeping).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any, Final, Protocol
+
+from .results import (
+    AcquireResult,
+    Capabilities,
+    ExtendResult,
+    LockInfo,
+    LockInfoDebug,
+    LockPage,
+    ReleaseResult,
+)
+
+#: The operations a class must define to be configured as a ``BACKEND``.
+OPERATIONS: Final = (
+    "acquire",
+    "aacquire",
+    "release",
+    "arelease",
+    "extend",
+    "aextend",
+    "is_locked",
+    "ais_locked",
+    "lookup",
+    "alookup",
+    "lookup_raw",
+    "alookup_raw",
+    "list_locks",
+    "alist_locks",
+    "delete_expired",
+    "force_release",
+    "aforce_release",
+    "check_settings",
+    "check",
+    "deploy_check",
+    "close",
+)
+
+
+def missing_operations(backend_cls: type) -> list[str]:
+    """The contract operations ``backend_cls`` does not define (empty when it fits)."""
+    return [name for name in OPERATIONS if not callable(getattr(backend_cls, name, None))]
+
+
+class LockBackend(Protocol):
+    """A lock backend: single-attempt operations, sync and async, plus housekeeping."""
+
+    @property
+    def alias(self) -> str: ...
+
+    @property
+    def capabilities(self) -> Capabilities: ...
+
+    @property
+    def operation_timeout_ms(self) -> int: ...
+
+    def acquire(self, key: str, ttl_ms: int = ..., *, cancel: Any = None) -> AcquireResult: ...
+
+    async def aacquire(
+        self, key: str, ttl_ms: int = ..., *, cancel: Any = None
+    ) -> AcquireResult: ...
+
+    def release(self, lock_id: str, *, cancel: Any = None) -> ReleaseResult: ...
+
+    async def arelease(self, lock_id: str, *, cancel: Any = None) -> ReleaseResult: ...
+
+    def extend(self, lock_id: str, ttl_ms: int, *, cancel: Any = None) -> ExtendResult: ...
+
+    async def aextend(self, lock_id: str, ttl_ms: int, *, cancel: Any = None) -> ExtendResult: ...
+
+    def is_locked(self, key: str, *, cancel: Any = None) -> bool: ...
+
+    async def ais_locked(self, key: str, *, cancel: Any = None) -> bool: ...
+
+    def lookup(
+        self, *, key: str | None = None, lock_id: str | None = None, cancel: Any = None
+    ) -> LockInfo | None: ...
+
+    async def alookup(
+        self, *, key: str | None = None, lock_id: str | None = None, cancel: Any = None
+    ) -> LockInfo | None: ...
+
+    def lookup_raw(
+        self, *, key: str | None = None, lock_id: str | None = None, cancel: Any = None
+    ) -> LockInfoDebug | None: ...
+
+    async def alookup_raw(
+        self, *, key: str | None = None, lock_id: str | None = None, cancel: Any = None
+    ) -> LockInfoDebug | None: ...
+
+    def list_locks(
+        self, *, prefix: str = "", cursor: str | None = None, limit: int = 100
+    ) -> LockPage: ...
+
+    async def alist_locks(
+        self, *, prefix: str = "", cursor: str | None = None, limit: int = 100
+    ) -> LockPage: ...
+
+    def delete_expired(self, *, batch_size: int = 500, dry_run: bool = False) -> Iterator[int]: ...
+
+    def force_release(self, key: str, lock_id_hash: str) -> ReleaseResult: ...
+
+    async def aforce_release(self, key: str, lock_id_hash: str) -> ReleaseResult: ...
+
+    @classmethod
+    def check_settings(cls, alias: str, params: Mapping[str, Any]) -> list[Any]: ...
+
+    def check(self, **kwargs: Any) -> list[Any]: ...
+
+    def deploy_check(self) -> list[Any]: ...
+
+    def close(self, **kwargs: Any) -> None: ...
