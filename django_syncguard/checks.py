@@ -4,13 +4,17 @@
 ``syncguard.E001``  ``SYNCGUARD_BACKENDS`` is not a dict of alias -> dict.
 ``syncguard.E002``  An alias's ``BACKEND`` cannot be imported or loaded (names the pip
                     extra when one is missing).
-``syncguard.E003``  An alias's configuration is invalid (the backend says why).
+``syncguard.E003``  An alias's configuration is invalid (the backend says why): an
+                    unknown setting or option, a bad value, ``KEY_PREFIX`` on a
+                    backend without a shared key namespace.
 ``syncguard.E004``  A database backend's ``DATABASES`` alias is of a vendor it does not
                     support (supported: postgresql, sqlite).
 ``syncguard.E005``  A database backend's ``OPTIONS["DATABASE"]`` is not an alias of
                     ``DATABASES``.
 ``syncguard.E006``  A ``@locked(using=...)`` function names an alias that
                     ``SYNCGUARD_BACKENDS`` does not define.
+``syncguard.E007``  ``SYNCGUARD_BACKENDS`` is an empty dict (remove it for the database
+                    default, or define an alias).
 ``syncguard.W001``  The memory backend is configured while ``DEBUG`` is False.
 ``syncguard.W002``  A database backend's ``DATABASES`` alias has ``ATOMIC_REQUESTS``:
                     a view's writes commit after its lock is released.
@@ -22,7 +26,12 @@
 ``syncguard.I020``  (deploy) Firestore: keep the lockId index; an optional TTL policy.
 ==================  ===========================================================
 
-Each backend may add its own messages through ``backend.check()``.
+This module holds the messages about settings as a whole and about ``@locked``
+functions; each backend holds its own (E004, E005 and W002 in the database backend,
+W001 in the memory backend, W010 and W011 in the Redis backend, I020 in the Firestore
+backend) and this module asks it: first the class, ``check_settings(alias, params)``,
+for problems that prevent building it; then the built backend, ``backend.check()``
+(and ``backend.deploy_check()`` with ``--deploy``).
 
 The checks without ``deploy`` do no I/O: they build each backend in a private
 :class:`~django_syncguard.handler.LockHandler` (never the shared ``locks``, which must
@@ -40,40 +49,21 @@ from typing import Any
 from django.core import checks
 
 from .errors import LockError
+from .handler import InvalidBackendError, LockHandler
+from .registry import locked_functions
 
 E001 = "SYNCGUARD_BACKENDS must be a dict mapping aliases to backend settings."
 E002 = "Lock backend {alias!r} cannot be loaded: {error}"
 E003 = "Lock backend {alias!r} is misconfigured: {error}"
-E004 = (
-    "Lock backend {alias!r}: DATABASES[{database!r}] is a {vendor!r} database, which the "
-    "database backend does not support (supported: {supported})."
-)
-E004_HINT = (
-    "Point OPTIONS['DATABASE'] at a PostgreSQL or SQLite alias of DATABASES, or use the "
-    "Redis or Firestore backend."
-)
-E005 = (
-    "Lock backend {alias!r}: OPTIONS['DATABASE'] = {database!r} is not an alias of "
-    "DATABASES (configured: {configured})."
-)
 E006 = (
     "{function} is decorated with @locked(using={using!r}), but SYNCGUARD_BACKENDS has no "
     "alias {using!r} (configured: {configured})."
 )
 E006_HINT = "Add the alias to SYNCGUARD_BACKENDS, or pass using= one that it defines."
-W001 = (
-    "Lock backend {alias!r} is the in-process MemoryBackend while DEBUG is False: "
-    "it excludes nothing across processes."
-)
-W002 = (
-    "Lock backend {alias!r} keeps its locks in DATABASES[{database!r}], which has "
-    "ATOMIC_REQUESTS=True. The lock backend uses its own autocommit connection, so a lock "
-    "is visible at once, but a view decorated with @locked commits its writes only after "
-    "the decorator released the lock: the next holder can read data from before the write."
-)
-W002_HINT = (
-    "Decorate such views with @transaction.non_atomic_requests and open "
-    "transaction.atomic() inside the locked function, or write with fenced_update()."
+E007 = "SYNCGUARD_BACKENDS is empty: no lock backend is configured."
+E007_HINT = (
+    "Define at least a 'default' alias, or remove the setting to keep locks in "
+    "DATABASES['default']."
 )
 W003_TTL = (
     "{function}: @locked(ttl_ms={ttl_ms}) is not longer than OPERATION_TIMEOUT_MS of lock "
@@ -90,19 +80,6 @@ W003_RENEWAL = (
 W003_RENEWAL_HINT = (
     "Give ttl_ms at least {minimum} ms (1.5 x OPERATION_TIMEOUT_MS), or lower OPERATION_TIMEOUT_MS."
 )
-W010 = (
-    "Lock backend {alias!r}: the Redis server runs without AOF persistence "
-    "(appendonly no). After a restart its fence counters can go back to older values "
-    "and hand out fences already used. Enable appendonly (appendfsync everysec or always)."
-)
-W011 = "Lock backend {alias!r}: could not check the server's setup: {error}"
-I020 = (
-    "Lock backend {alias!r} (Firestore): release, extend and lookup by lock id query "
-    "collection {collection!r} on the field lockId; keep its single-field index (Firestore "
-    "creates it unless an exemption removes it). A TTL policy on the field purgeAt may "
-    "delete long-expired lock documents; it only saves storage, liveness is always "
-    "checked on every operation, and fence counters live in another collection."
-)
 
 
 def register() -> None:
@@ -112,8 +89,6 @@ def register() -> None:
 
 def check_backends_deploy(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
     """Checks that ask each configured server about its setup."""
-    from .handler import LockHandler
-
     handler = LockHandler()
     messages: list[checks.CheckMessage] = []
     for alias in handler:
@@ -129,114 +104,54 @@ def check_backends_deploy(app_configs: Any = None, **kwargs: Any) -> list[checks
 def check_backends(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
     """Check every alias of ``SYNCGUARD_BACKENDS``, then every ``@locked`` function."""
     from django.conf import settings
-    from django.db import connections
-
-    from .backends.database import DatabaseBackend
-    from .backends.memory import MemoryBackend
-    from .handler import InvalidBackendError, LockHandler
 
     configured = getattr(settings, "SYNCGUARD_BACKENDS", None)
     if configured is not None and not (
         isinstance(configured, dict) and all(isinstance(v, dict) for v in configured.values())
     ):
         return [checks.Error(E001, id="syncguard.E001")]
+    if configured == {}:
+        return [checks.Error(E007, hint=E007_HINT, id="syncguard.E007")]
     handler = LockHandler()  # a private one: checks must not cache half-built backends
     messages: list[checks.CheckMessage] = []
     timeouts: dict[str, int] = {}  # alias -> operation timeout, of the aliases that built
     for alias in handler:
-        database_errors = _check_database_alias(alias, handler.settings[alias])
-        if database_errors:
-            messages.extend(database_errors)
-            continue
-        try:
-            backend = handler[alias]
-        except InvalidBackendError as exc:
-            cause = exc.__cause__
-            if isinstance(cause, LockError):
-                messages.append(
-                    checks.Error(E003.format(alias=alias, error=cause), id="syncguard.E003")
-                )
-            else:
-                messages.append(
-                    checks.Error(E002.format(alias=alias, error=exc), id="syncguard.E002")
-                )
-            continue
-        except LockError as exc:
-            messages.append(checks.Error(E003.format(alias=alias, error=exc), id="syncguard.E003"))
-            continue
-        if isinstance(backend, MemoryBackend) and not settings.DEBUG:
-            messages.append(checks.Warning(W001.format(alias=alias), id="syncguard.W001"))
-        if isinstance(backend, DatabaseBackend) and connections.settings[backend.database].get(
-            "ATOMIC_REQUESTS"
-        ):
-            messages.append(
-                checks.Warning(
-                    W002.format(alias=alias, database=backend.database),
-                    hint=W002_HINT,
-                    id="syncguard.W002",
-                )
-            )
-        messages.extend(backend.check(**kwargs))
-        timeouts[alias] = backend.operation_timeout_ms
-        backend.close()
+        found, timeout = check_alias(handler, alias, **kwargs)
+        messages.extend(found)
+        if timeout is not None:
+            timeouts[alias] = timeout
     messages.extend(check_locked_functions(list(handler.settings), timeouts))
     return messages
 
 
-def _check_database_alias(alias: str, params: Mapping[str, Any]) -> list[checks.CheckMessage]:
-    """E004 / E005 for an alias of the database backend, without building it.
-
-    Anything else wrong with the alias (an unimportable ``BACKEND``, bad options, a
-    database driver that cannot be loaded) is left to the backend's construction.
-    """
-    from django.core.exceptions import ImproperlyConfigured
-    from django.db import DEFAULT_DB_ALIAS, connections
-    from django.db.utils import load_backend
-    from django.utils.module_loading import import_string
-
-    from .backends.database import SUPPORTED_VENDORS, DatabaseBackend
-
-    path = params.get("BACKEND")
-    if not isinstance(path, str) or not path:
-        return []
+def check_alias(
+    handler: LockHandler, alias: str, **kwargs: Any
+) -> tuple[list[checks.CheckMessage], int | None]:
+    """The messages about one alias, asked of its backend class and then of the built
+    backend, and the backend's operation timeout (``None`` when it could not be built)."""
     try:
-        backend_cls = import_string(path)
-    except ImportError:
-        return []
-    if not (isinstance(backend_cls, type) and issubclass(backend_cls, DatabaseBackend)):
-        return []
-    options = params.get("OPTIONS") or {}
-    if not isinstance(options, Mapping):
-        return []
-    database = options.get("DATABASE", DEFAULT_DB_ALIAS)
-    if not isinstance(database, str) or not database:
-        return []
-    if database not in connections.settings:
-        known = ", ".join(repr(a) for a in connections.settings) or "none"
-        return [
-            checks.Error(
-                E005.format(alias=alias, database=database, configured=known),
-                id="syncguard.E005",
-            )
-        ]
-    try:  # the wrapper class only: no connection object, no I/O
-        vendor = load_backend(connections.settings[database]["ENGINE"]).DatabaseWrapper.vendor
-    except ImproperlyConfigured:
-        return []
-    if vendor in SUPPORTED_VENDORS:
-        return []
-    return [
-        checks.Error(
-            E004.format(
-                alias=alias,
-                database=database,
-                vendor=vendor,
-                supported=", ".join(SUPPORTED_VENDORS),
-            ),
-            hint=E004_HINT,
-            id="syncguard.E004",
-        )
-    ]
+        backend_cls = handler.backend_class(alias)
+    except InvalidBackendError as exc:
+        return [checks.Error(E002.format(alias=alias, error=exc), id="syncguard.E002")], None
+    errors = backend_cls.check_settings(alias, handler.settings[alias])
+    if errors:
+        return list(errors), None
+    try:
+        backend = handler[alias]
+    except (InvalidBackendError, LockError) as exc:
+        return [_construction_error(alias, exc)], None
+    try:
+        return list(backend.check(**kwargs)), backend.operation_timeout_ms
+    finally:
+        backend.close()
+
+
+def _construction_error(alias: str, exc: Exception) -> checks.CheckMessage:
+    """E003 when the backend refused its settings, E002 when it could not be loaded."""
+    cause = exc if isinstance(exc, LockError) else exc.__cause__
+    if isinstance(cause, LockError):
+        return checks.Error(E003.format(alias=alias, error=cause), id="syncguard.E003")
+    return checks.Error(E002.format(alias=alias, error=exc), id="syncguard.E002")
 
 
 def check_locked_functions(
@@ -248,8 +163,6 @@ def check_locked_functions(
     when the setting is absent); ``timeouts`` maps each alias whose backend could be
     built to its ``operation_timeout_ms``.
     """
-    from .registry import locked_functions
-
     configured = ", ".join(repr(a) for a in aliases) or "none"
     messages: list[checks.CheckMessage] = []
     for entry in locked_functions():

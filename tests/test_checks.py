@@ -16,25 +16,21 @@ from django.core.management.base import SystemCheckError
 from django.db import connections
 
 from django_syncguard import locked, locks, registry
-from django_syncguard.backends.memory import MemoryBackend
+from django_syncguard.backends.database import E004, E004_HINT, E005, W002, W002_HINT
+from django_syncguard.backends.memory import W001, MemoryBackend
 from django_syncguard.checks import (
     E001,
     E002,
     E003,
-    E004,
-    E004_HINT,
-    E005,
     E006,
     E006_HINT,
-    W001,
-    W002,
-    W002_HINT,
     W003_RENEWAL,
     W003_RENEWAL_HINT,
     W003_TTL,
     W003_TTL_HINT,
     check_backends,
 )
+from django_syncguard.handler import InvalidBackendError
 
 MEMORY = "django_syncguard.backends.memory.MemoryBackend"
 DATABASE = "django_syncguard.backends.database.DatabaseBackend"
@@ -130,6 +126,19 @@ def test_e001_an_alias_that_is_not_a_dict(bad_shape):
     assert only(run())[0] == "syncguard.E001"
 
 
+def test_e007_an_empty_dict_is_not_the_database_default(settings):
+    settings.SYNCGUARD_BACKENDS = {}
+    assert only(run()) == (
+        "syncguard.E007",
+        checks.ERROR,
+        "SYNCGUARD_BACKENDS is empty: no lock backend is configured.",
+        "Define at least a 'default' alias, or remove the setting to keep locks in "
+        "DATABASES['default'].",
+    )
+    with pytest.raises(InvalidBackendError, match=r"No lock backend alias 'default'.*none"):
+        locks["default"]
+
+
 # ------------------------------------------------------------------- E002
 def test_e002_unimportable_backend(settings):
     settings.SYNCGUARD_BACKENDS = {"default": {"BACKEND": "nowhere.Backend"}}
@@ -167,6 +176,20 @@ def test_e002_names_the_extra_when_the_backend_module_cannot_be_imported(setting
     assert message.msg.endswith(' Install it with: pip install "django-syncguard[redis]".')
 
 
+@pytest.mark.parametrize("imported", [False, True])
+def test_e002_a_module_named_instead_of_its_class(settings, monkeypatch, imported):
+    if not imported:  # import_string then fails to find the module as an attribute
+        monkeypatch.delitem(sys.modules, "django_syncguard.backends.memory")
+        monkeypatch.delattr("django_syncguard.backends.memory", raising=False)
+    settings.SYNCGUARD_BACKENDS = {"default": {"BACKEND": "django_syncguard.backends.memory"}}
+    [message] = run()
+    assert message.id == "syncguard.E002"
+    assert message.msg.endswith(
+        " It names a module; BACKEND names a backend class: "
+        "'django_syncguard.backends.memory.MemoryBackend'."
+    )
+
+
 # ------------------------------------------------------------------- E003
 def test_e003_bad_option(settings):
     settings.SYNCGUARD_BACKENDS = {
@@ -190,6 +213,48 @@ def test_e003_unknown_option(settings):
         error="Unknown OPTIONS for MemoryBackend (alias 'default'): TABLE. "
         "Known: CLEANUP_IN_IS_LOCKED, CLOCK, CONNECT_TIMEOUT_MS, OPERATION_TIMEOUT_MS.",
     )
+
+
+def test_e003_a_misspelled_setting_of_an_alias(settings):
+    settings.SYNCGUARD_BACKENDS = {"default": {"BACKEND": MEMORY, "OPTION": {"CLOCK": "x"}}}
+    assert only(run()) == (
+        "syncguard.E003",
+        checks.ERROR,
+        "Lock backend 'default' is misconfigured: Unknown setting 'OPTION' in "
+        "SYNCGUARD_BACKENDS['default']; the settings are BACKEND, KEY_PREFIX, LOCATION, "
+        "OPTIONS. Did you mean 'OPTIONS'?",
+        None,
+    )
+
+
+@pytest.mark.parametrize(
+    ("backend", "extra"),
+    [
+        (MEMORY, {}),
+        (DATABASE, {}),
+        (FIRESTORE, {"OPTIONS": {"PROJECT": "p"}}),
+    ],
+)
+def test_e003_key_prefix_where_it_has_no_meaning(settings, backend, extra):
+    settings.SYNCGUARD_BACKENDS = {"default": {"BACKEND": backend, "KEY_PREFIX": "app1", **extra}}
+    name = backend.rsplit(".", 1)[1]
+    assert only(run()) == (
+        "syncguard.E003",
+        checks.ERROR,
+        f"Lock backend 'default' is misconfigured: KEY_PREFIX has no meaning for {name}: "
+        "its locks live in tables or collections of their own. Remove it (or name other "
+        "tables or collections in OPTIONS).",
+        None,
+    )
+
+
+@pytest.mark.usefixtures("debug")
+def test_key_prefix_is_accepted_where_keys_share_a_namespace(settings):
+    settings.SYNCGUARD_BACKENDS = {
+        "default": {"BACKEND": MEMORY},
+        "redis": {"BACKEND": REDIS, "LOCATION": "redis://127.0.0.1:1/0", "KEY_PREFIX": "app1"},
+    }
+    assert run() == []
 
 
 def test_e003_lock_and_fence_storage_named_the_same(settings):

@@ -333,7 +333,9 @@ def test_sqlite_acquire_checks_cancel_before_writing(lite):
 
 # ----------------------------------------------------------- configuration
 def test_unsupported_vendor_is_refused():
-    with pytest.raises(InvalidArgument, match="supports PostgreSQL and SQLite"):
+    with pytest.raises(
+        InvalidArgument, match=r"does not support \(supported: postgresql, sqlite\)"
+    ):
         DatabaseBackend("x", {"OPTIONS": {"DATABASE": "unsupported"}})
 
 

@@ -603,6 +603,8 @@ def clock_ok(value: object) -> bool:
 def expected_config(name: str, params: dict[str, Any]) -> dict[str, Any] | None:
     """The attributes the backend must end up with, or None when it must refuse."""
     cls, _, extra = CONFIG[name]
+    if "KEY_PREFIX" in params and cls is not RedisBackend:
+        return None  # only Redis keys share a namespace a prefix divides
     prefix = params.get("KEY_PREFIX", "syncguard")
     if not isinstance(prefix, str) or has_lone_surrogate(prefix):
         return None

@@ -10,34 +10,40 @@ and sanitize lookups, so no backend repeats that logic.
 
 from __future__ import annotations
 
+import difflib
 import logging
 import unicodedata
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
 from asgiref.sync import sync_to_async
 
 from ..cancellation import CancelToken, check_cancel, validate_cancel
-from ..constants import CLEANUP_GUARD_MS, DEFAULT_TTL_MS, MAX_KEY_LENGTH_BYTES
+from ..constants import (
+    CLEANUP_GUARD_MS,
+    DEFAULT_TTL_MS,
+    MAX_BATCH_SIZE,
+    MAX_KEY_LENGTH_BYTES,
+    MAX_PAGE_SIZE,
+)
 from ..errors import Internal, InvalidArgument
 from ..fencing import check_fence
-from ..keys import hash_key, normalize_and_validate_key, validate_lock_id
+from ..keys import normalize_and_validate_key, validate_lock_id
 from ..results import (
     AcquireResult,
     Capabilities,
     ExtendResult,
     LockInfo,
     LockInfoDebug,
+    LockPage,
+    LockRecord,
     ReleaseResult,
     TimeAuthority,
 )
+from ..ttl import MAX_TTL_MS, validate_ttl
 
 logger = logging.getLogger("django_syncguard.backends")
-
-#: Longest TTL accepted (about 24.8 days): keeps every expiry exact in a double and
-#: in a signed 64-bit column, whatever the backend. A lease this long is a bug.
-MAX_TTL_MS = 2**31 - 1
 
 DEFAULT_CONNECT_TIMEOUT_MS = 5_000
 DEFAULT_OPERATION_TIMEOUT_MS = 5_000
@@ -47,54 +53,15 @@ T = TypeVar("T")
 _NO_TTL: Any = object()  # "this operation takes no TTL" (None is a bad TTL, not absence)
 
 
-@dataclass(frozen=True, slots=True)
-class LockRecord:
-    """A stored lock as a backend reads it (raw key and lock id); never public."""
-
-    key: str
-    lock_id: str
-    expires_at_ms: int
-    acquired_at_ms: int
-    fence: str | None
-
-    def debug_info(self) -> LockInfoDebug:
-        return LockInfoDebug(
-            key_hash=hash_key(self.key),
-            lock_id_hash=hash_key(self.lock_id),
-            expires_at_ms=self.expires_at_ms,
-            acquired_at_ms=self.acquired_at_ms,
-            fence=self.fence,
-            key=self.key,
-            lock_id=self.lock_id,
+def _refuse_unknown_settings(alias: str, params: Mapping[str, Any]) -> None:
+    """``InvalidArgument`` for a misspelled key of the alias's settings (``"OPTION"``)."""
+    for name in sorted(set(params) - SETTINGS_KEYS, key=str):
+        close = difflib.get_close_matches(str(name), SETTINGS_KEYS, n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise InvalidArgument(
+            f"Unknown setting {name!r} in SYNCGUARD_BACKENDS[{alias!r}]; the settings are "
+            f"{', '.join(sorted(SETTINGS_KEYS))}.{hint}"
         )
-
-
-@dataclass(frozen=True, slots=True)
-class LockPage:
-    """One page of live locks, as the admin inspector shows them.
-
-    ``next_cursor`` is an opaque string for the following page (``None`` on the last
-    one); ``now_ms`` is the backend's clock when the page was read, so remaining TTLs
-    are computed against the time authority, not the web server's clock.
-    """
-
-    records: tuple[LockRecord, ...]
-    next_cursor: str | None
-    now_ms: int
-
-
-#: Largest page ``list_locks`` returns and largest ``delete_expired`` batch.
-MAX_PAGE_SIZE = 1_000
-MAX_BATCH_SIZE = 10_000
-
-
-def validate_ttl(ttl_ms: object) -> int:
-    """Return ``ttl_ms`` if it is a positive int of at most ``MAX_TTL_MS``."""
-    if isinstance(ttl_ms, bool) or not isinstance(ttl_ms, int):
-        raise InvalidArgument(f"ttl_ms must be an int number of milliseconds, not {ttl_ms!r}.")
-    if not 0 < ttl_ms <= MAX_TTL_MS:
-        raise InvalidArgument(f"ttl_ms must be between 1 and {MAX_TTL_MS}, not {ttl_ms}.")
-    return int(ttl_ms)  # a plain int: drivers refuse int subclasses such as IntEnum
 
 
 def _validated_prefix(prefix: object) -> str:
@@ -110,6 +77,18 @@ def _validated_count(value: object, name: str, maximum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= maximum:
         raise InvalidArgument(f"{name} must be an int between 1 and {maximum}, not {value!r}.")
     return value
+
+
+def delete_in_batches(delete_batch: Callable[[int], int], batch_size: int) -> Iterator[int]:
+    """Call ``delete_batch(batch_size)`` until a batch deletes nothing, yielding each
+    count: the ``_delete_expired`` of backends that delete by a bounded query."""
+    while deleted := delete_batch(batch_size):
+        yield deleted
+
+
+def _once(count: Callable[[], int]) -> Iterator[int]:
+    """An iterator whose only item is ``count()``, called when it is consumed."""
+    yield count()
 
 
 def option_ms(options: Mapping[str, Any], name: str, default: int) -> int:
@@ -139,7 +118,11 @@ def mapping_option(options: Mapping[str, Any], name: str) -> dict[str, Any]:
     return dict(value)
 
 
-class BaseLockBackend:
+#: The keys an alias's entry in ``SYNCGUARD_BACKENDS`` may have.
+SETTINGS_KEYS = frozenset({"BACKEND", "LOCATION", "KEY_PREFIX", "OPTIONS"})
+
+
+class BaseLockBackend(ABC):
     """Base class of every lock backend; see the module docstring.
 
     ``params`` is the alias's entry in ``SYNCGUARD_BACKENDS`` (``LOCATION``,
@@ -154,19 +137,16 @@ class BaseLockBackend:
     known_options: ClassVar[frozenset[str]] = frozenset(
         {"CLEANUP_IN_IS_LOCKED", "CONNECT_TIMEOUT_MS", "OPERATION_TIMEOUT_MS"}
     )
+    #: Whether keys share a namespace that ``KEY_PREFIX`` divides (Redis); elsewhere
+    #: tables or collections keep applications apart and ``KEY_PREFIX`` is refused.
+    uses_key_prefix: ClassVar[bool] = False
 
     def __init__(self, alias: str = "default", params: Mapping[str, Any] | None = None) -> None:
         params = dict(params or {})
+        _refuse_unknown_settings(alias, params)
         self.alias = alias
         self.location: str = params.get("LOCATION") or ""
-        prefix = params.get("KEY_PREFIX", "syncguard")
-        if not isinstance(prefix, str):
-            raise InvalidArgument(f"KEY_PREFIX must be a str, not {type(prefix).__name__}.")
-        try:
-            prefix.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            raise InvalidArgument("KEY_PREFIX is not valid Unicode (a lone surrogate).") from exc
-        self.key_prefix: str = prefix
+        self.key_prefix: str = self._key_prefix(params)
         options = params.get("OPTIONS")
         if options is not None and not isinstance(options, Mapping):
             raise InvalidArgument(f"OPTIONS must be a dict, not {type(options).__name__}.")
@@ -195,6 +175,29 @@ class BaseLockBackend:
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} alias={self.alias!r}>"
+
+    def _key_prefix(self, params: Mapping[str, Any]) -> str:
+        if "KEY_PREFIX" in params and not self.uses_key_prefix:
+            raise InvalidArgument(
+                f"KEY_PREFIX has no meaning for {type(self).__name__}: its locks live in "
+                "tables or collections of their own. Remove it (or name other tables or "
+                "collections in OPTIONS)."
+            )
+        prefix = params.get("KEY_PREFIX", "syncguard")
+        if not isinstance(prefix, str):
+            raise InvalidArgument(f"KEY_PREFIX must be a str, not {type(prefix).__name__}.")
+        try:
+            prefix.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise InvalidArgument("KEY_PREFIX is not valid Unicode (a lone surrogate).") from exc
+        return prefix
+
+    @classmethod
+    def check_settings(cls, alias: str, params: Mapping[str, Any]) -> list[Any]:
+        """System-check errors about ``params`` that this class can tell without being
+        built, each with its own id; the checks build the backend only when there are
+        none (construction errors are ``syncguard.E003``). No I/O."""
+        return []
 
     # ----------------------------------------------------------------- public API
     def acquire(
@@ -304,21 +307,22 @@ class BaseLockBackend:
         )
 
     def delete_expired(self, *, batch_size: int = 500, dry_run: bool = False) -> Iterator[int]:
-        """Delete lock records expired longer ago than the cleanup guard; yield the
-        number deleted by each batch (with ``dry_run``: yield once, the number that
-        would be deleted, and write nothing).
+        """Delete lock records expired longer ago than the cleanup guard; return an
+        iterator of the number deleted by each batch (with ``dry_run``: one number,
+        how many would be deleted, and nothing written).
 
-        Fence counters are never deleted. Safe beside live traffic: a record is only
-        deleted if it is still expired by more than the guard at the moment of the
-        delete, so no lock that could still be extended or re-acquired is touched.
+        The arguments are checked when this is called, before any I/O; the deletes
+        happen as the iterator is consumed. Fence counters are never deleted. Safe
+        beside live traffic: a record is only deleted if it is still expired by more
+        than the guard at the moment of the delete, so no lock that could still be
+        extended or re-acquired is touched.
         """
         batch_size = _validated_count(batch_size, "batch_size", MAX_BATCH_SIZE)
         if not isinstance(dry_run, bool):
             raise InvalidArgument("dry_run must be True or False.")
         if dry_run:
-            yield self._count_expired()
-            return
-        yield from self._delete_expired(batch_size)
+            return _once(self._count_expired)
+        return self._delete_expired(batch_size)
 
     def force_release(self, key: str, lock_id_hash: str) -> ReleaseResult:
         """Release ``key``'s lock for its holder, if it is still the lock whose lock
@@ -339,49 +343,54 @@ class BaseLockBackend:
         return await self._in_thread(self.force_release, key, lock_id_hash)
 
     def check(self, **kwargs: Any) -> list[Any]:
-        """System-check messages about this alias's configuration (no I/O)."""
+        """System-check messages about this alias's built backend (no I/O); the app's
+        check asks every alias (see ``checks.py``)."""
         return []
 
     def deploy_check(self) -> list[Any]:
         """Check messages that need the server (``manage.py check --deploy``)."""
         return []
 
-    def close(self, **kwargs: Any) -> None:
+    def close(self, **kwargs: Any) -> None:  # noqa: B027 - optional: not every backend connects
         """Release connections; the handler calls it when settings change."""
 
     # ------------------------------------------------------------ storage I/O
+    @abstractmethod
     def _list_locks(self, prefix: str, cursor: str | None, limit: int) -> LockPage:
-        raise NotImplementedError
+        """Storage I/O of :meth:`list_locks`."""
 
+    @abstractmethod
     def _count_expired(self) -> int:
-        raise NotImplementedError
+        """How many records ``delete_expired`` would delete now (its dry run)."""
 
+    @abstractmethod
     def _delete_expired(self, batch_size: int) -> Iterator[int]:
-        """Batches until one deletes nothing (a backend may override the iteration)."""
-        while deleted := self._delete_expired_batch(batch_size):
-            yield deleted
+        """Delete records past the cleanup guard in batches of at most ``batch_size``,
+        yielding each batch's count (see :func:`delete_in_batches`)."""
 
-    def _delete_expired_batch(self, batch_size: int) -> int:
-        """Delete at most ``batch_size`` records past the guard; return how many."""
-        raise NotImplementedError
-
+    @abstractmethod
     def _acquire(self, key: str, ttl_ms: int, cancel: CancelToken | None) -> AcquireResult:
-        raise NotImplementedError
+        """Storage I/O of :meth:`acquire`."""
 
+    @abstractmethod
     def _release(self, lock_id: str, cancel: CancelToken | None) -> ReleaseResult:
-        raise NotImplementedError
+        """Storage I/O of :meth:`release`."""
 
+    @abstractmethod
     def _extend(self, lock_id: str, ttl_ms: int, cancel: CancelToken | None) -> ExtendResult:
-        raise NotImplementedError
+        """Storage I/O of :meth:`extend`."""
 
+    @abstractmethod
     def _is_locked(self, key: str, cancel: CancelToken | None) -> bool:
-        raise NotImplementedError
+        """Storage I/O of :meth:`is_locked`."""
 
+    @abstractmethod
     def _lookup_by_key(self, key: str, cancel: CancelToken | None) -> LockRecord | None:
-        raise NotImplementedError
+        """Storage I/O of :meth:`lookup` by key: the live record of ``key``."""
 
+    @abstractmethod
     def _lookup_by_id(self, lock_id: str, cancel: CancelToken | None) -> LockRecord | None:
-        raise NotImplementedError
+        """Storage I/O of :meth:`lookup` by lock id: the live record it names."""
 
     # Async twins default to the sync I/O in a worker thread; backends with a native
     # async client override them.
@@ -464,8 +473,9 @@ class BaseLockBackend:
     def _checked_record(
         self, record: LockRecord | None, *, key: str | None = None, lock_id: str | None = None
     ) -> LockInfoDebug | None:
-        # Defence in depth (ADR-003): a record found through an index or a hashed
-        # storage key must name exactly what was asked for.
+        # Defence in depth (specs/contract.md, What the base class verifies): a record
+        # found through an index or a hashed storage key must name exactly what was
+        # asked for.
         if record is None:
             return None
         if (key is not None and record.key != key) or (

@@ -29,15 +29,18 @@ import select
 import socket
 import threading
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import suppress
 from functools import partial
 from inspect import signature
 from typing import Any, ClassVar, TypeVar, cast
 
+from django.core import checks
+from django.core.exceptions import ImproperlyConfigured
 from django.db import DEFAULT_DB_ALIAS, connections
 from django.db import Error as DjangoDatabaseError
 from django.db.backends.base.base import BaseDatabaseWrapper
+from django.db.utils import load_backend
 
 from ..cancellation import CancelToken, check_cancel
 from ..constants import BACKEND_LIMITS, CLEANUP_GUARD_MS, RESERVE_BYTES, TIME_TOLERANCE_MS
@@ -53,8 +56,8 @@ from ..errors import (
 from ..fencing import FENCE_MAX, fence_overflow_error, format_fence
 from ..keys import generate_lock_id, make_fence_key, make_storage_key
 from ..liveness import is_live, system_clock_ms
-from ..results import AcquireResult, ExtendResult, ReleaseResult
-from .base import BaseLockBackend, LockPage, LockRecord
+from ..results import AcquireResult, ExtendResult, LockPage, LockRecord, ReleaseResult
+from .base import BaseLockBackend, delete_in_batches
 
 logger = logging.getLogger("django_syncguard.backends.database")
 
@@ -200,7 +203,58 @@ MESSAGE_ERRORS: tuple[tuple[str, type[LockError]], ...] = (
     ("consuming input failed", ServiceUnavailable),
 )
 
+# System-check messages of this backend (see checks.py for the table of ids).
+E004 = (
+    "Lock backend {alias!r}: DATABASES[{database!r}] is a {vendor!r} database, which the "
+    "database backend does not support (supported: {supported})."
+)
+E004_HINT = (
+    "Point OPTIONS['DATABASE'] at a PostgreSQL or SQLite alias of DATABASES, or use the "
+    "Redis or Firestore backend."
+)
+E005 = (
+    "Lock backend {alias!r}: OPTIONS['DATABASE'] = {database!r} is not an alias of "
+    "DATABASES (configured: {configured})."
+)
+W002 = (
+    "Lock backend {alias!r} keeps its locks in DATABASES[{database!r}], which has "
+    "ATOMIC_REQUESTS=True. The lock backend uses its own autocommit connection, so a lock "
+    "is visible at once, but a view decorated with @locked commits its writes only after "
+    "the decorator released the lock: the next holder can read data from before the write."
+)
+W002_HINT = (
+    "Decorate such views with @transaction.non_atomic_requests and open "
+    "transaction.atomic() inside the locked function, or write with fenced_update()."
+)
+
 MIGRATE_HINT = " Run `manage.py migrate django_syncguard --database {alias}`."
+
+
+def _database_problem(alias: str, options: Mapping[str, Any]) -> checks.CheckMessage | None:
+    """E005 / E004 for the alias's ``OPTIONS["DATABASE"]``, without a connection (only
+    the engine's wrapper class is loaded); ``None`` when it names a supported database.
+    A malformed value is left to the constructor's own message."""
+    database = options.get("DATABASE", DEFAULT_DB_ALIAS) if isinstance(options, Mapping) else None
+    if not isinstance(database, str) or not database:
+        return None
+    if database not in connections.settings:
+        known = ", ".join(repr(a) for a in connections.settings) or "none"
+        return checks.Error(
+            E005.format(alias=alias, database=database, configured=known), id="syncguard.E005"
+        )
+    try:
+        vendor = load_backend(connections.settings[database]["ENGINE"]).DatabaseWrapper.vendor
+    except ImproperlyConfigured:
+        return None  # the constructor reports the engine that cannot be loaded
+    if vendor in SUPPORTED_VENDORS:
+        return None
+    return checks.Error(
+        E004.format(
+            alias=alias, database=database, vendor=vendor, supported=", ".join(SUPPORTED_VENDORS)
+        ),
+        hint=E004_HINT,
+        id="syncguard.E004",
+    )
 
 
 def map_database_error(exc: BaseException, alias: str) -> LockError:
@@ -239,18 +293,11 @@ class DatabaseBackend(BaseLockBackend):
         database = self.options.get("DATABASE", DEFAULT_DB_ALIAS)
         if not isinstance(database, str) or not database:
             raise InvalidArgument("OPTIONS['DATABASE'] must name an alias of DATABASES.")
-        if database not in connections.settings:
-            raise InvalidArgument(
-                f"OPTIONS['DATABASE'] = {database!r} is not an alias of DATABASES "
-                f"(configured: {', '.join(connections.settings)})."
-            )
+        problem = _database_problem(alias, self.options)
+        if problem is not None:
+            raise InvalidArgument(problem.msg)
         self.database = database
         self.vendor: str = connections[database].vendor
-        if self.vendor not in SUPPORTED_VENDORS:
-            raise InvalidArgument(
-                f"The database backend supports PostgreSQL and SQLite; DATABASES[{database!r}] "
-                f"is {self.vendor}. Use the Redis or Firestore backend instead."
-            )
         self.time_authority = "server" if self.vendor == "postgresql" else "client"  # type: ignore[misc]
         self.backend_name = "postgres" if self.vendor == "postgresql" else "sqlite"  # type: ignore[misc]
         self.capabilities = type(self.capabilities)(
@@ -263,6 +310,24 @@ class DatabaseBackend(BaseLockBackend):
         # Open private connections, weakly: a thread's connection is closed when the
         # thread object goes away (see connection()), and must not be kept alive here.
         self._open: weakref.WeakSet[BaseDatabaseWrapper] = weakref.WeakSet()
+
+    @classmethod
+    def check_settings(cls, alias: str, params: Mapping[str, Any]) -> list[Any]:
+        """E005 / E004 when ``OPTIONS["DATABASE"]`` names no alias of ``DATABASES`` or
+        one of an unsupported vendor; no connection is made."""
+        problem = _database_problem(alias, params.get("OPTIONS") or {})
+        return [] if problem is None else [problem]
+
+    def check(self, **kwargs: Any) -> list[Any]:
+        if not connections.settings[self.database].get("ATOMIC_REQUESTS"):
+            return []
+        return [
+            checks.Warning(
+                W002.format(alias=self.alias, database=self.database),
+                hint=W002_HINT,
+                id="syncguard.W002",
+            )
+        ]
 
     # ------------------------------------------------------------- connections
     def connection(self) -> BaseDatabaseWrapper:
@@ -558,6 +623,9 @@ class DatabaseBackend(BaseLockBackend):
     def _count_expired(self) -> int:
         cutoff = self._cleanup_cutoff(self.now_ms())
         return int(self._run(lambda c: _fetch_value(c, COUNT_EXPIRED, [cutoff])))
+
+    def _delete_expired(self, batch_size: int) -> Iterator[int]:
+        return delete_in_batches(self._delete_expired_batch, batch_size)
 
     def _delete_expired_batch(self, batch_size: int) -> int:
         if self.vendor == "postgresql":

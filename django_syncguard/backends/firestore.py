@@ -21,10 +21,11 @@ import re
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from functools import partial
 from typing import Any, ClassVar, TypeVar
 
+from django.core import checks
 from django.core.exceptions import ImproperlyConfigured
 
 from ..cancellation import CancelToken, check_cancel
@@ -41,8 +42,8 @@ from ..errors import (
 from ..fencing import FENCE_MAX, fence_overflow_error, format_fence
 from ..keys import generate_lock_id, hash_storage_key, make_storage_key
 from ..liveness import is_live
-from ..results import AcquireResult, ExtendResult, ReleaseResult
-from .base import BaseLockBackend, LockPage, LockRecord, mapping_option
+from ..results import AcquireResult, ExtendResult, LockPage, LockRecord, ReleaseResult
+from .base import BaseLockBackend, delete_in_batches, mapping_option
 
 logger = logging.getLogger("django_syncguard.backends.firestore")
 
@@ -140,6 +141,16 @@ def map_firestore_error(exc: BaseException, alias: str) -> LockError:
     return error_cls(message, context={"cause": exc})
 
 
+# System-check message of this backend (see checks.py for the table of ids).
+I020 = (
+    "Lock backend {alias!r} (Firestore): release, extend and lookup by lock id query "
+    "collection {collection!r} on the field lockId; keep its single-field index (Firestore "
+    "creates it unless an exemption removes it). A TTL policy on the field purgeAt may "
+    "delete long-expired lock documents; it only saves storage, liveness is always "
+    "checked on every operation, and fence counters live in another collection."
+)
+
+
 class FirestoreBackend(BaseLockBackend):
     """Locks in Firestore; see the module docstring."""
 
@@ -227,7 +238,8 @@ class FirestoreBackend(BaseLockBackend):
         )
 
     def _by_lock_id(self, lock_id: str, client: Any = None) -> Any:
-        # No limit: duplicates must be seen to be handled (ADR-014).
+        # No limit: duplicates must be seen to be handled (specs/backends/firestore.md,
+        # Operations: duplicates of one lock id).
         return self._locks(client).where(filter=_field("lockId", "==", lock_id))
 
     # ---------------------------------------------------------------- errors
@@ -383,8 +395,9 @@ class FirestoreBackend(BaseLockBackend):
     ) -> tuple[tuple[str, Any], bool]:
         """Decide from the lock-id query: ((outcome, value), whether to commit ``batch``).
 
-        Keeps the documents that still carry ``lock_id`` (ADR-003); with duplicates
-        (ADR-014) removes the expired ones and fails safe when several are live.
+        Keeps the documents that still carry ``lock_id`` (the stored lock id is
+        re-checked, specs/contract.md); with duplicates (specs/backends/firestore.md)
+        removes the expired ones and fails safe when several are live.
         """
         snaps = [s for s in found if s.get("lockId") == lock_id]
         if not snaps:
@@ -609,6 +622,9 @@ class FirestoreBackend(BaseLockBackend):
         result = self._call(lambda: query.count().get())
         return int(result[0][0].value)
 
+    def _delete_expired(self, batch_size: int) -> Iterator[int]:
+        return delete_in_batches(self._delete_expired_batch, batch_size)
+
     def _delete_expired_batch(self, batch_size: int) -> int:
         # Firestore takes at most 500 writes per batched write.
         size = min(batch_size, MAX_WRITES_PER_BATCH)
@@ -636,10 +652,6 @@ class FirestoreBackend(BaseLockBackend):
         return server_ms(snap.read_time)
 
     def deploy_check(self) -> list[Any]:
-        from django.core import checks
-
-        from ..checks import I020
-
         return [
             checks.Info(
                 I020.format(alias=self.alias, collection=self.collection), id="syncguard.I020"

@@ -12,10 +12,11 @@ to move time without sleeping. The clock is the time authority (``"client"``).
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from django.core import checks
 from django.utils.module_loading import import_string
 
 from ..cancellation import CancelToken, check_cancel
@@ -24,8 +25,8 @@ from ..errors import InvalidArgument
 from ..fencing import FENCE_MAX, fence_overflow_error, format_fence
 from ..keys import generate_lock_id
 from ..liveness import Clock, is_live, system_clock_ms
-from ..results import AcquireResult, ExtendResult, ReleaseResult
-from .base import BaseLockBackend, LockPage, LockRecord
+from ..results import AcquireResult, ExtendResult, LockPage, LockRecord, ReleaseResult
+from .base import BaseLockBackend, delete_in_batches
 
 
 @dataclass
@@ -43,6 +44,13 @@ _stores_mutex = threading.Lock()
 def _store(name: str) -> _Store:
     with _stores_mutex:
         return _stores.setdefault(name, _Store())
+
+
+# System-check message of this backend (see checks.py for the table of ids).
+W001 = (
+    "Lock backend {alias!r} is the in-process MemoryBackend while DEBUG is False: "
+    "it excludes nothing across processes."
+)
 
 
 class MemoryBackend(BaseLockBackend):
@@ -66,6 +74,13 @@ class MemoryBackend(BaseLockBackend):
             raise InvalidArgument("OPTIONS['CLOCK'] must be a callable returning Unix ms.")
         self.clock: Clock = clock
         self._store = _store(self.location or alias)
+
+    def check(self, **kwargs: Any) -> list[Any]:
+        from django.conf import settings
+
+        if settings.DEBUG:
+            return []
+        return [checks.Warning(W001.format(alias=self.alias), id="syncguard.W001")]
 
     def reset(self) -> None:
         """Forget every lock *and fence counter* of this store. Tests only: in any
@@ -184,6 +199,9 @@ class MemoryBackend(BaseLockBackend):
     def _count_expired(self) -> int:
         with self._store.mutex:
             return len(self._expired(self.clock()))
+
+    def _delete_expired(self, batch_size: int) -> Iterator[int]:
+        return delete_in_batches(self._delete_expired_batch, batch_size)
 
     def _delete_expired_batch(self, batch_size: int) -> int:
         with self._store.mutex:

@@ -26,10 +26,17 @@ import weakref
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar, cast
 
+from django.core import checks
 from django.core.exceptions import ImproperlyConfigured
 
 from ..cancellation import CancelToken
-from ..constants import BACKEND_LIMITS, CLEANUP_GUARD_MS, RESERVE_BYTES, TIME_TOLERANCE_MS
+from ..constants import (
+    BACKEND_LIMITS,
+    CLEANUP_GUARD_MS,
+    MAX_PAGE_SIZE,
+    RESERVE_BYTES,
+    TIME_TOLERANCE_MS,
+)
 from ..errors import (
     AuthFailed,
     Internal,
@@ -40,18 +47,19 @@ from ..errors import (
 )
 from ..fencing import FENCE_MAX, fence_overflow_error, format_fence
 from ..keys import generate_lock_id, make_storage_key
-from ..results import AcquireResult, ExtendResult, ReleaseResult
-from .base import (
-    MAX_PAGE_SIZE,
-    BaseLockBackend,
-    LockPage,
-    LockRecord,
-    mapping_option,
-    positive_int_option,
-)
+from ..results import AcquireResult, ExtendResult, LockPage, LockRecord, ReleaseResult
+from .base import BaseLockBackend, mapping_option, positive_int_option
 
 if TYPE_CHECKING:
     import redis
+
+# System-check messages of this backend (see checks.py for the table of ids).
+W010 = (
+    "Lock backend {alias!r}: the Redis server runs without AOF persistence "
+    "(appendonly no). After a restart its fence counters can go back to older values "
+    "and hand out fences already used. Enable appendonly (appendfsync everysec or always)."
+)
+W011 = "Lock backend {alias!r}: could not check the server's setup: {error}"
 
 LIMIT_BYTES = BACKEND_LIMITS["REDIS"]
 RESERVE = RESERVE_BYTES["REDIS"]
@@ -89,7 +97,8 @@ return {1, fence, expires}
 )
 
 # Release and extend resolve the index to the lock hash, require the hash to carry
-# this lock id (ADR-003) and to be live, then mutate: all inside one script.
+# this lock id (specs/contract.md, Operations: the stored lock id is re-checked) and
+# to be live, then mutate: all inside one script.
 _RESOLVE = (
     _NOW
     + """
@@ -273,7 +282,10 @@ def map_redis_error(exc: BaseException, alias: str) -> LockError:
     message = f"Redis ({alias!r}): {exc}"
     text = str(exc).upper()
     error_cls: type[LockError]
-    if isinstance(exc, errors.AuthenticationError | errors.AuthorizationError) or (
+    # redis-py strips the reply's code when it maps it to a class of its own: NOPERM
+    # arrives as NoPermissionError whose text no longer starts with "NOPERM".
+    denied = errors.AuthenticationError | errors.AuthorizationError | errors.NoPermissionError
+    if isinstance(exc, denied) or (
         isinstance(exc, errors.ResponseError) and text.startswith(_AUTH_REPLIES)
     ):
         error_cls = AuthFailed
@@ -293,6 +305,7 @@ class RedisBackend(BaseLockBackend):
 
     backend_name = "redis"
     time_authority = "server"
+    uses_key_prefix = True
     known_options: ClassVar[frozenset[str]] = BaseLockBackend.known_options | {
         "MAX_CONNECTIONS",
         "CLIENT_KWARGS",
@@ -318,8 +331,8 @@ class RedisBackend(BaseLockBackend):
         self._client_kwargs: dict[str, Any] = {
             "socket_connect_timeout": self.connect_timeout_ms / 1000,
             "socket_timeout": self.operation_timeout_ms / 1000,
-            # One attempt per call (ADR-009): a silently retried acquire whose reply
-            # was lost would find its own lock and report contention.
+            # One attempt per call (specs/contract.md, Operations): a silently retried
+            # acquire whose reply was lost would find its own lock and report contention.
             "retry": redis_py.retry.Retry(redis_py.backoff.NoBackoff(), 0),
             "retry_on_error": [],
             "max_connections": max_connections,
@@ -569,10 +582,6 @@ class RedisBackend(BaseLockBackend):
         return info
 
     def deploy_check(self) -> list[Any]:
-        from django.core import checks
-
-        from ..checks import W010, W011
-
         try:
             info = self.persistence()
         except LockError as exc:
