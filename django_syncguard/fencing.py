@@ -30,7 +30,7 @@ def format_fence(n: int) -> str:
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
         raise InvalidArgument(f"A fence is a non-negative int, not {n!r}.")
     if n >= 10**FENCE_DIGITS:
-        raise Internal(f"Fence counter {n} does not fit in {FENCE_DIGITS} digits.")
+        raise InvalidArgument(f"A fence has at most {FENCE_DIGITS} digits; {n} does not fit.")
     return str(n).zfill(FENCE_DIGITS)
 
 
@@ -80,6 +80,31 @@ def check_fence(fence: str, key: str) -> str:
     return fence
 
 
+def _fence_field(model: Any, name: str) -> Any:
+    """The model field ``name`` if it can hold a fence: a text field of at least 15
+    characters (the fence string) or an integer field of at least 32 bits (its value;
+    a 64-bit one holds every fence). Anything else would compare fences wrongly."""
+    from django.core.exceptions import FieldDoesNotExist
+    from django.db import models
+
+    try:
+        field = model._meta.get_field(name)
+    except FieldDoesNotExist as exc:
+        raise InvalidArgument(f"{model.__name__} has no field {name!r} to hold the fence.") from exc
+    too_small = (models.SmallIntegerField, models.PositiveSmallIntegerField)
+    text = isinstance(field, models.CharField | models.TextField) and (
+        field.max_length is None or field.max_length >= FENCE_DIGITS
+    )
+    integer = isinstance(field, models.IntegerField) and not isinstance(field, too_small)
+    if not (text or integer):
+        raise InvalidArgument(
+            f"{model.__name__}.{name} ({type(field).__name__}) cannot hold a fence: use a "
+            f"CharField(max_length={FENCE_DIGITS}) or a BigIntegerField, and name it with "
+            "field=."
+        )
+    return field
+
+
 def fenced_update(queryset: Any, fence: str, *, field: str = "fence", **updates: Any) -> int:
     """Apply ``updates`` plus ``field=fence`` to the rows of ``queryset`` whose stored
     fence is NULL or not newer than ``fence``, in one UPDATE statement.
@@ -90,20 +115,11 @@ def fenced_update(queryset: Any, fence: str, *, field: str = "fence", **updates:
     writing again and is applied. Works with a ``CharField`` fence (the 15-digit
     string) or an integer field (its value).
     """
-    from django.core.exceptions import FieldDoesNotExist
     from django.db import models
 
     validate_fence(fence)
-    try:
-        model_field = queryset.model._meta.get_field(field)
-    except FieldDoesNotExist as exc:
-        raise InvalidArgument(
-            f"{queryset.model.__name__} has no field {field!r} to hold the fence."
-        ) from exc
-    if isinstance(model_field, models.IntegerField):
-        stored: Any = int(fence)
-    else:
-        stored = fence
+    model_field = _fence_field(queryset.model, field)
+    stored: Any = int(fence) if isinstance(model_field, models.IntegerField) else fence
     applies = models.Q(**{f"{field}__isnull": True}) | models.Q(**{f"{field}__lte": stored})
     written = int(queryset.filter(applies).update(**{**updates, field: stored}))
     if written == 0 and queryset.filter(**{f"{field}__gt": stored}).exists():

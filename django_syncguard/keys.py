@@ -72,15 +72,19 @@ def hash_key(value: str) -> str:
 def make_storage_key(prefix: str, key: str, limit_bytes: int, reserve_bytes: int) -> str:
     """Return the name under which a backend stores ``key``.
 
-    ``prefix`` loses its trailing colons. When ``prefix:key`` (or just ``key`` with an
-    empty prefix) plus ``reserve_bytes`` fits in ``limit_bytes`` it is used as is;
-    otherwise the key part becomes the base64url of the first 16 bytes of SHA-256 over
-    the whole prefixed string. Raises ``InvalidArgument`` for an empty key or when
+    ``prefix`` and ``key`` are taken in NFC form; ``prefix`` loses its trailing
+    colons. When ``prefix:key`` (or just ``key`` with an empty prefix) plus
+    ``reserve_bytes`` fits in ``limit_bytes`` it is used as is; otherwise the key
+    part becomes the base64url of the first 16 bytes of SHA-256 over the whole
+    prefixed string. Raises ``InvalidArgument`` for an empty key or when
     even the hashed form does not fit.
     """
     if not key:
         raise InvalidArgument("Key must not be empty.")
-    prefix = prefix.rstrip(":")
+    # Canonical form first, as every backend stores it: a decomposed "é" and a
+    # composed one are the same key and must get the same storage key.
+    key = unicodedata.normalize("NFC", key)
+    prefix = unicodedata.normalize("NFC", prefix).rstrip(":")
     head = f"{prefix}:" if prefix else ""
     full = head + key
     if len(full.encode("utf-8")) + reserve_bytes <= limit_bytes:

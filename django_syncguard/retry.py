@@ -1,6 +1,6 @@
 """The acquisition retry loop of ``lock()`` / ``locked()``.
 
-Backends try once (ADR-009); this module retries on contention with the
+Backends try once (specs/contract.md, Operations); this module retries on contention with the
 specification's formulas. With ``attempt`` the 1-based number of failed attempts::
 
     exponential: base = retry_delay_ms * 2 ** (attempt - 1)
@@ -32,6 +32,7 @@ from .constants import (
     DEFAULT_TIMEOUT_MS,
 )
 from .errors import AcquisitionTimeout, InvalidArgument
+from .keys import hash_key
 from .results import AcquireResult
 
 Backoff = Literal["exponential", "fixed"]
@@ -108,18 +109,20 @@ class _Loop:
         self.attempt += 1
         attempts = self.attempt
         if attempts > self.policy.max_retries:
-            raise AcquisitionTimeout(
-                f"Lock still held after {attempts} attempts (max_retries="
-                f"{self.policy.max_retries}).",
-                context={"key": self.key},
-            )
+            raise self._timeout(f"{attempts} attempts (max_retries={self.policy.max_retries})")
         remaining = self.policy.timeout_ms - (self.clock() - self.started) * 1000
         if remaining <= 0:
-            raise AcquisitionTimeout(
-                f"Lock still held after {self.policy.timeout_ms:g} ms ({attempts} attempts).",
-                context={"key": self.key},
-            )
+            raise self._timeout(f"{self.policy.timeout_ms:g} ms ({attempts} attempts)")
         return min(self.policy.delay_ms(attempts, self.rng), remaining) / 1000
+
+    def _timeout(self, after: str) -> AcquisitionTimeout:
+        """The error for giving up; it names the key by its hash (the raw key is in the
+        context only, as logs and error trackers show messages)."""
+        key_hash = hash_key(self.key)
+        return AcquisitionTimeout(
+            f"Lock on key {key_hash} still held after {after}.",
+            context={"key": self.key, "key_hash": key_hash},
+        )
 
 
 def acquire_with_retry(

@@ -21,7 +21,6 @@ from django_syncguard import (
     AcquisitionTimeout,
     Capabilities,
     ExtendResult,
-    Internal,
     InvalidArgument,
     LockError,
     ReleaseResult,
@@ -39,7 +38,7 @@ from django_syncguard import (
     validate_lock_id,
 )
 from django_syncguard.errors import ERROR_CODES, NetworkTimeout
-from django_syncguard.keys import make_fence_key
+from django_syncguard.keys import hash_storage_key, make_fence_key
 
 
 # ------------------------------------------------------------------ constants
@@ -98,6 +97,18 @@ def test_make_storage_key_is_deterministic_and_hashes_the_prefixed_string():
     assert first != make_storage_key("b", "k" * 600, 100, 0).replace("b:", "a:")
 
 
+@pytest.mark.parametrize(
+    ("limit", "expected"),
+    [
+        (1000, "pr\u00e9:caf\u00e9:" + "x" * 40),  # fits: kept as it is
+        (30, hash_storage_key("pr\u00e9", "caf\u00e9:" + "x" * 40)),  # too long: hashed
+    ],
+)
+def test_make_storage_key_treats_decomposed_and_composed_keys_alike(limit, expected):
+    assert make_storage_key("pr\u00e9", "caf\u00e9:" + "x" * 40, limit, 0) == expected
+    assert make_storage_key("pre\u0301", "cafe\u0301:" + "x" * 40, limit, 0) == expected
+
+
 def test_make_storage_key_refuses_empty_key_and_oversized_prefix():
     with pytest.raises(InvalidArgument):
         make_storage_key("p", "", 100, 0)
@@ -154,7 +165,7 @@ def test_format_fence(n, expected):
 
 
 def test_format_fence_refuses_what_does_not_fit():
-    with pytest.raises(Internal):
+    with pytest.raises(InvalidArgument, match="at most 15 digits"):
         format_fence(10**15)
     for bad in (-1, 1.0, "1", True):
         with pytest.raises(InvalidArgument):

@@ -74,3 +74,20 @@ def test_malformed_fence_is_refused_before_io(fence, django_assert_num_queries):
 def test_unknown_fence_field_is_refused():
     with pytest.raises(InvalidArgument, match="no field 'nope'"):
         fenced_update(Account.objects.all(), F3, field="nope")
+
+
+@pytest.mark.parametrize(
+    ("field", "kind"),
+    [("amount", "DecimalField"), ("code", "CharField"), ("flags", "SmallIntegerField")],
+)
+def test_a_field_that_cannot_hold_a_fence_is_refused_before_any_query(field, kind):
+    ledger = LedgerFactory(version=4)
+    qs = Ledger.objects.filter(pk=ledger.pk)
+    with (
+        CaptureQueriesContext(connection) as queries,
+        pytest.raises(InvalidArgument, match=rf"Ledger\.{field} \({kind}\) cannot hold a fence"),
+    ):
+        fenced_update(qs, F5, field=field, total=9)
+    assert len(queries) == 0
+    ledger.refresh_from_db()
+    assert ledger.total == 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import sys
 import time
@@ -223,6 +224,27 @@ def test_wrong_password_is_auth_failed():
         assert right.acquire("k", 1_000).ok
     finally:
         server.destroy()
+
+
+@pytest.mark.parametrize("operation", ["acquire", "aacquire"])
+def test_a_user_without_permission_for_scripts_is_auth_failed(redis_server, operation):
+    admin = redis.Redis.from_url(redis_server.url)
+    admin.acl_setuser(
+        "noscripts", enabled=True, passwords=["+pw"], keys=["*"], commands=["+@all", "-evalsha"]
+    )
+    options = {"CLIENT_KWARGS": {"username": "noscripts", "password": "pw"}}
+    backend = RedisBackend("r", {"LOCATION": redis_server.url, "OPTIONS": options})
+    try:
+        call = {
+            "acquire": lambda: backend.acquire("k", 1_000),
+            "aacquire": lambda: asyncio.run(backend.aacquire("k", 1_000)),
+        }[operation]
+        with pytest.raises(AuthFailed, match="no permissions to run the 'evalsha' command"):
+            call()
+    finally:
+        backend.close()
+        admin.acl_deluser("noscripts")
+        admin.close()
 
 
 @pytest.mark.parametrize(

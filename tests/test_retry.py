@@ -7,6 +7,7 @@ import random
 import pytest
 
 from django_syncguard import AcquireResult, AcquisitionTimeout, InvalidArgument
+from django_syncguard.keys import hash_key
 from django_syncguard.retry import RetryPolicy, aacquire_with_retry, acquire_with_retry
 
 LOCKED = AcquireResult.locked()
@@ -97,7 +98,10 @@ def test_total_attempts_are_max_retries_plus_one():
     assert len(calls) == 4
     assert t.sleeps_ms == [10, 20, 40]
     assert caught.value.code == "AcquisitionTimeout"
-    assert caught.value.context == {"key": "k"}
+    assert caught.value.context == {"key": "k", "key_hash": hash_key("k")}
+    assert str(caught.value) == (
+        f"Lock on key {hash_key('k')} still held after 4 attempts (max_retries=3)."
+    )
 
 
 def test_max_retries_zero_tries_once():

@@ -14,3 +14,7 @@ class Ledger(models.Model):
 
     total = models.IntegerField(default=0)
     version = models.BigIntegerField(null=True)
+    # Columns that cannot hold a fence, for fenced_update's refusal.
+    amount = models.DecimalField(max_digits=12, decimal_places=2, default=0)
+    code = models.CharField(max_length=8, default="")
+    flags = models.SmallIntegerField(default=0)
