@@ -50,7 +50,7 @@ from django.core import checks
 
 from .errors import LockError
 from .handler import InvalidBackendError, LockHandler
-from .registry import locked_functions
+from .registry import LockedFunction, locked_functions
 
 E001 = "SYNCGUARD_BACKENDS must be a dict mapping aliases to backend settings."
 E002 = "Lock backend {alias!r} cannot be loaded: {error}"
@@ -176,31 +176,26 @@ def check_locked_functions(
                     id="syncguard.E006",
                 )
             )
-            continue
-        timeout = timeouts.get(entry.using)
-        if timeout is None:  # the alias's own error is reported already
-            continue
-        values = {
-            "function": entry.name,
-            "ttl_ms": entry.ttl_ms,
-            "using": entry.using,
-            "timeout": timeout,
-        }
-        if entry.ttl_ms <= timeout:
-            messages.append(
-                checks.Warning(W003_TTL.format(**values), hint=W003_TTL_HINT, id="syncguard.W003")
-            )
-        elif entry.auto_extend and 2 * entry.ttl_ms < 3 * timeout:
-            # A renewal starts a third of the TTL after the last one (leases.py), when
-            # two thirds of the lease are left for it to finish.
-            interval = round(entry.ttl_ms / 3)
-            messages.append(
-                checks.Warning(
-                    W003_RENEWAL.format(
-                        **values, interval=interval, remaining=entry.ttl_ms - interval
-                    ),
-                    hint=W003_RENEWAL_HINT.format(minimum=(3 * timeout + 1) // 2),
-                    id="syncguard.W003",
-                )
-            )
+        elif entry.using in timeouts:  # else the alias's own error is reported already
+            messages.extend(_check_ttl(entry, timeouts[entry.using]))
     return messages
+
+
+def _check_ttl(entry: LockedFunction, timeout: int) -> list[checks.CheckMessage]:
+    """W003 when ``entry``'s lease can expire while one call to its server may wait."""
+    values = {"function": entry.name, "ttl_ms": entry.ttl_ms, "using": entry.using}
+    values["timeout"] = timeout
+    if entry.ttl_ms <= timeout:
+        return [checks.Warning(W003_TTL.format(**values), hint=W003_TTL_HINT, id="syncguard.W003")]
+    if not entry.auto_extend or 2 * entry.ttl_ms >= 3 * timeout:
+        return []
+    # A renewal starts a third of the TTL after the last one (leases.py), when two
+    # thirds of the lease are left for it to finish.
+    interval = round(entry.ttl_ms / 3)
+    return [
+        checks.Warning(
+            W003_RENEWAL.format(**values, interval=interval, remaining=entry.ttl_ms - interval),
+            hint=W003_RENEWAL_HINT.format(minimum=(3 * timeout + 1) // 2),
+            id="syncguard.W003",
+        )
+    ]
