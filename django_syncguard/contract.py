@@ -54,6 +54,37 @@ def missing_operations(backend_cls: type) -> list[str]:
     return [name for name in OPERATIONS if not callable(getattr(backend_cls, name, None))]
 
 
+class SanitizedLookups:
+    """``lookup`` / ``alookup`` in terms of ``lookup_raw`` / ``alookup_raw``: what a
+    backend and a wrapper of one share, so the sanitizing exists once."""
+
+    def lookup_raw(
+        self, *, key: str | None = None, lock_id: str | None = None, cancel: Any = None
+    ) -> LockInfoDebug | None:
+        raise NotImplementedError
+
+    async def alookup_raw(
+        self, *, key: str | None = None, lock_id: str | None = None, cancel: Any = None
+    ) -> LockInfoDebug | None:
+        raise NotImplementedError
+
+    def lookup(
+        self, *, key: str | None = None, lock_id: str | None = None, cancel: Any = None
+    ) -> LockInfo | None:
+        """Sanitized facts about the live lock on ``key`` or named by ``lock_id``.
+
+        Exactly one of ``key`` / ``lock_id``. ``None`` when absent or expired.
+        """
+        raw = self.lookup_raw(key=key, lock_id=lock_id, cancel=cancel)
+        return raw.sanitized() if raw else None
+
+    async def alookup(
+        self, *, key: str | None = None, lock_id: str | None = None, cancel: Any = None
+    ) -> LockInfo | None:
+        raw = await self.alookup_raw(key=key, lock_id=lock_id, cancel=cancel)
+        return raw.sanitized() if raw else None
+
+
 class LockBackend(Protocol):
     """A lock backend: single-attempt operations, sync and async, plus housekeeping."""
 

@@ -17,9 +17,9 @@ from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from .constants import DEFAULT_TTL_MS
-from .contract import LockBackend
+from .contract import LockBackend, SanitizedLookups
 from .keys import hash_key, normalize_and_validate_key
-from .results import AcquireResult, ExtendResult, LockInfo, LockInfoDebug, ReleaseResult
+from .results import AcquireResult, ExtendResult, LockInfoDebug, ReleaseResult
 
 logger = logging.getLogger("django_syncguard.telemetry")
 
@@ -43,7 +43,7 @@ class LockEvent:
 IncludeRaw = bool | Callable[[LockEvent], bool]
 
 
-class TelemetryBackend:
+class TelemetryBackend(SanitizedLookups):
     """A proxy for ``inner`` that reports each completed lock operation.
 
     The five operations and their lookups are wrapped; every other attribute and
@@ -141,18 +141,6 @@ class TelemetryBackend:
         result = await self.inner.ais_locked(key, cancel=cancel)
         self._emit("is_locked", result, key=key)
         return result
-
-    def lookup(
-        self, *, key: str | None = None, lock_id: str | None = None, cancel: Any = None
-    ) -> LockInfo | None:
-        raw = self.lookup_raw(key=key, lock_id=lock_id, cancel=cancel)
-        return raw.sanitized() if raw else None
-
-    async def alookup(
-        self, *, key: str | None = None, lock_id: str | None = None, cancel: Any = None
-    ) -> LockInfo | None:
-        raw = await self.alookup_raw(key=key, lock_id=lock_id, cancel=cancel)
-        return raw.sanitized() if raw else None
 
     def lookup_raw(
         self, *, key: str | None = None, lock_id: str | None = None, cancel: Any = None

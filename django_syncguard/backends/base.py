@@ -27,6 +27,7 @@ from ..constants import (
     MAX_KEY_LENGTH_BYTES,
     MAX_PAGE_SIZE,
 )
+from ..contract import SanitizedLookups
 from ..errors import Internal, InvalidArgument
 from ..fencing import check_fence
 from ..keys import normalize_and_validate_key, validate_lock_id
@@ -34,7 +35,6 @@ from ..results import (
     AcquireResult,
     Capabilities,
     ExtendResult,
-    LockInfo,
     LockInfoDebug,
     LockPage,
     LockRecord,
@@ -122,7 +122,7 @@ def mapping_option(options: Mapping[str, Any], name: str) -> dict[str, Any]:
 SETTINGS_KEYS = frozenset({"BACKEND", "LOCATION", "KEY_PREFIX", "OPTIONS"})
 
 
-class BaseLockBackend(ABC):
+class BaseLockBackend(SanitizedLookups, ABC):
     """Base class of every lock backend; see the module docstring.
 
     ``params`` is the alias's entry in ``SYNCGUARD_BACKENDS`` (``LOCATION``,
@@ -248,22 +248,6 @@ class BaseLockBackend(ABC):
         key, _, cancel = self._key_args(key, cancel)
         return bool(await self._ais_locked(key, cancel))
 
-    def lookup(
-        self, *, key: str | None = None, lock_id: str | None = None, cancel: Any = None
-    ) -> LockInfo | None:
-        """Sanitized facts about the live lock on ``key`` or named by ``lock_id``.
-
-        Exactly one of ``key`` / ``lock_id``. ``None`` when absent or expired.
-        """
-        raw = self.lookup_raw(key=key, lock_id=lock_id, cancel=cancel)
-        return raw.sanitized() if raw else None
-
-    async def alookup(
-        self, *, key: str | None = None, lock_id: str | None = None, cancel: Any = None
-    ) -> LockInfo | None:
-        raw = await self.alookup_raw(key=key, lock_id=lock_id, cancel=cancel)
-        return raw.sanitized() if raw else None
-
     def lookup_raw(
         self, *, key: str | None = None, lock_id: str | None = None, cancel: Any = None
     ) -> LockInfoDebug | None:
@@ -351,7 +335,7 @@ class BaseLockBackend(ABC):
         """Check messages that need the server (``manage.py check --deploy``)."""
         return []
 
-    def close(self, **kwargs: Any) -> None:  # noqa: B027 - optional: not every backend connects
+    def close(self, **kwargs: Any) -> None:
         """Release connections; the handler calls it when settings change."""
 
     # ------------------------------------------------------------ storage I/O
