@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.harness import (
+from tests.support.harness import (
     HARNESS_DATABASES,
     HARNESS_SERVERS,
     HARNESSES,
@@ -14,7 +14,7 @@ from tests.harness import (
     MemoryHarness,
     RedisHarness,
 )
-from tests.servers import FirestoreEmulator, PostgresServer, RedisServer, ServerUnavailable
+from tests.support.servers import FirestoreEmulator, PostgresServer, RedisServer, ServerUnavailable
 
 IN_CI = bool(os.environ.get("CI"))
 _servers: dict[str, object] = {}
