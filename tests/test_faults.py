@@ -76,8 +76,9 @@ FIRST, SECOND = "000000000000001", "000000000000002"
 PROJECT = "syncguard-test"
 FIRESTORE_HOST = "FIRESTORE_EMULATOR_HOST"
 
-# conftest.py starts the session server a "harness" parameter names (skips the test
-# when it cannot start, or fails the run in CI), and gives "postgres" its test DB.
+# The proxied fixture asks for the session server a "harness" parameter names (which
+# skips the test when it cannot start, or fails it in CI); conftest.py gives
+# "postgres" its test DB.
 on_every_server = pytest.mark.parametrize("harness", ["postgres", "redis", "firestore"])
 
 #: After the proxy reset every connection, the next call on the same backend object:
