@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.common import MethodFactory, machine, print_table, run_matrix  # noqa: E402
-from tests.servers import FirestoreEmulator  # noqa: E402
+from tests.support.servers import FirestoreEmulator  # noqa: E402
 
 OPTIONS = {"PROJECT": "bench", "COLLECTION": "locks", "FENCE_COLLECTION": "fences"}
 

@@ -41,7 +41,7 @@ from bench.common import (  # noqa: E402
     machine,
     postgres_database,
 )
-from tests.servers import PostgresServer, RedisServer  # noqa: E402
+from tests.support.servers import PostgresServer, RedisServer  # noqa: E402
 
 HOUR_MS = 3_600_000
 PREFIX_TAIL = 100  # locks that share the rare prefix, at the end of the key order

@@ -46,7 +46,7 @@ from bench.common import (  # noqa: E402
     print_table,
     run_selected,
 )
-from tests.servers import PostgresServer  # noqa: E402
+from tests.support.servers import PostgresServer  # noqa: E402
 
 #: Set (to anything) when every method prepares its statements; an environment
 #: variable so that the client processes of a run inherit it.

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.common import MethodFactory, machine, print_table, run_selected  # noqa: E402
-from tests.servers import RedisServer  # noqa: E402
+from tests.support.servers import RedisServer  # noqa: E402
 
 TTL_MS = 30_000
 

@@ -4,7 +4,7 @@
         [--backends redis,postgres,firestore] [--memory-locks 20000]
         [--out bench/reports/<date>-report.md]
 
-Starts each server it needs on a free loopback port (``tests/servers.py``: redis-server,
+Starts each server it needs on a free loopback port (``tests/support/servers.py``: redis-server,
 PostgreSQL 15 with its durable defaults, the Firestore emulator), measures our backend
 next to the peers of ``bench/redis_locks.py``, ``bench/postgres_locks.py`` and
 ``bench/firestore_locks.py`` for 1, 8 and 32 concurrent clients, on distinct keys and
@@ -227,7 +227,7 @@ def gcloud_versions() -> str:
 def run_redis(section: Section, args: argparse.Namespace) -> None:
     import redis
 
-    from tests.servers import RedisServer
+    from tests.support.servers import RedisServer
 
     server = RedisServer().start()
     try:
@@ -254,7 +254,7 @@ def run_redis(section: Section, args: argparse.Namespace) -> None:
 
 
 def run_postgres(section: Section, args: argparse.Namespace) -> None:
-    from tests.servers import PostgresServer
+    from tests.support.servers import PostgresServer
 
     server = PostgresServer(settings=()).start()  # durable defaults
     try:
@@ -294,7 +294,7 @@ def run_postgres(section: Section, args: argparse.Namespace) -> None:
 
 
 def run_firestore(section: Section, args: argparse.Namespace) -> None:
-    from tests.servers import FirestoreEmulator
+    from tests.support.servers import FirestoreEmulator
 
     emulator = FirestoreEmulator().start()
     try:

@@ -1,12 +1,25 @@
+"""Fixtures of the whole suite.
+
+The test servers start in session fixtures, when the first test that needs one runs,
+and stop (by their PID) at the end of the session: ``postgres_server``,
+``redis_server`` and ``firestore_emulator``. A test gets its server by asking for
+the fixture, through the ``harness`` fixture, or, for the ``postgres`` database
+alias, through its ``django_db`` marker. When ``CI`` is set, a server that cannot
+start fails the tests that need it; elsewhere they are skipped with the reason.
+"""
+
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TypeVar
 
 import pytest
+from django.conf import settings
+from django.db import connections
 
-from tests.harness import (
+from tests.support.harness import (
     HARNESS_DATABASES,
     HARNESS_SERVERS,
     HARNESSES,
@@ -14,121 +27,116 @@ from tests.harness import (
     MemoryHarness,
     RedisHarness,
 )
-from tests.servers import FirestoreEmulator, PostgresServer, RedisServer, ServerUnavailable
+from tests.support.servers import (
+    IN_CI,
+    FirestoreEmulator,
+    PostgresServer,
+    RedisServer,
+    ServerUnavailable,
+)
 
-IN_CI = bool(os.environ.get("CI"))
-_servers: dict[str, object] = {}
-
-
-def _start_postgres() -> PostgresServer:
-    server = PostgresServer().start()
-    from django.conf import settings
-
-    settings.DATABASES["postgres"]["PORT"] = str(server.port)
-    return server
+Server = TypeVar("Server", PostgresServer, RedisServer, FirestoreEmulator)
 
 
-def _start_redis() -> RedisServer:
-    server = RedisServer().start()
-    RedisHarness.url = server.url
-    return server
-
-
-def _start_firestore() -> FirestoreEmulator:
-    server = FirestoreEmulator().start()
-    os.environ["FIRESTORE_EMULATOR_HOST"] = server.host
-    # The emulator's first request takes seconds (JVM warm-up), more than the tests'
-    # operation timeouts: make it here, once, with a long timeout.
-    from django_syncguard.backends.firestore import FirestoreBackend
-
-    options = {"PROJECT": "syncguard-test", "OPERATION_TIMEOUT_MS": 60_000}
-    warm_up = FirestoreBackend("warm-up", {"OPTIONS": options})
+@contextmanager
+def running(kind: str, server: Server) -> Iterator[Server]:
+    """``server``, started, until the block ends; a failure to start skips the test
+    that asked (fails it in CI)."""
     try:
-        warm_up.now_ms()
+        server.start()
+    except ServerUnavailable as exc:
+        server.destroy()
+        if IN_CI:
+            pytest.fail(f"CI is set and {kind} cannot start: {exc}")
+        pytest.skip(f"{kind} unavailable: {exc}")
+    try:
+        yield server
     finally:
-        warm_up.close()
-    return server
+        server.destroy()
 
 
-STARTERS = {"postgres": _start_postgres, "redis": _start_redis, "firestore": _start_firestore}
-
-
-def start_server(kind: str) -> PostgresServer | RedisServer | str:
-    """The session's server of that kind (started on first need), or why it cannot run."""
-    if kind not in _servers:
-        try:
-            _servers[kind] = STARTERS[kind]()
-        except ServerUnavailable as exc:
-            _servers[kind] = str(exc)
-    return _servers[kind]  # type: ignore[return-value]
-
-
-def server_needed(item: pytest.Item) -> str | None:
-    callspec = getattr(item, "callspec", None)
-    harness = callspec.params.get("harness") if callspec else None
-    if harness in HARNESS_SERVERS:
-        return HARNESS_SERVERS[harness]
-    if "redis_server" in item.fixturenames:
-        return "redis"
-    if "firestore_emulator" in item.fixturenames:
-        return "firestore"
+def uses_postgres(item: pytest.Item) -> bool:
+    """Whether the test's ``django_db`` marker names the ``postgres`` alias."""
     marker = item.get_closest_marker("django_db")
-    if "postgres_server" in item.fixturenames or (
-        marker and "postgres" in (marker.kwargs.get("databases") or ())
-    ):
-        return "postgres"
-    return None
+    databases = marker.kwargs.get("databases") if marker else None
+    return databases == "__all__" or "postgres" in (databases or ())
+
+
+@pytest.fixture(scope="session")
+def postgres_server() -> Iterator[PostgresServer]:
+    """The session's PostgreSQL; the ``postgres`` alias points at it while it runs."""
+    with running("postgres", PostgresServer()) as server, pytest.MonkeyPatch.context() as patch:
+        connection = connections["postgres"]
+        for settings_dict in (settings.DATABASES["postgres"], connection.settings_dict):
+            patch.setitem(settings_dict, "PORT", str(server.port))
+        connection.close()  # one opened before had no server to go to
+        yield server
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisServer]:
+    """The session's redis-server; ``RedisHarness`` builds its backends on it."""
+    with running("redis", RedisServer()) as server, pytest.MonkeyPatch.context() as patch:
+        patch.setattr(RedisHarness, "url", server.url)
+        yield server
+
+
+@pytest.fixture(scope="session")
+def firestore_emulator() -> Iterator[FirestoreEmulator]:
+    """The session's Firestore emulator, named by ``FIRESTORE_EMULATOR_HOST``."""
+    with running("firestore", FirestoreEmulator()) as server, pytest.MonkeyPatch.context() as patch:
+        patch.setenv("FIRESTORE_EMULATOR_HOST", server.host)
+        # The emulator's first request takes seconds (JVM warm-up), more than the
+        # tests' operation timeouts: make it here, once, with a long timeout.
+        from django_syncguard.backends.firestore import FirestoreBackend
+
+        options = {"PROJECT": "syncguard-test", "OPERATION_TIMEOUT_MS": 60_000}
+        warm_up = FirestoreBackend("warm-up", {"OPTIONS": options})
+        try:
+            warm_up.now_ms()
+        finally:
+            warm_up.close()
+        yield server
+
+
+@pytest.fixture(scope="session")
+def django_db_modify_db_settings(
+    django_db_modify_db_settings: None, request: pytest.FixtureRequest
+) -> None:
+    """pytest-django's hook before it creates the test databases: when a selected test
+    uses the ``postgres`` alias, its server must run and the alias name its port."""
+    if not any(uses_postgres(item) for item in request.session.items):
+        return
+    try:
+        request.getfixturevalue("postgres_server")
+    except pytest.skip.Exception:
+        # Outside CI, without PostgreSQL: no test database is created for a mirror,
+        # and the alias's tests skip with the reason when they ask for the server.
+        settings.DATABASES["postgres"]["TEST"]["MIRROR"] = "default"
+
+
+@pytest.fixture(autouse=True)
+def _postgres_for_the_alias(request: pytest.FixtureRequest) -> None:
+    """A test on the ``postgres`` alias needs the session's PostgreSQL."""
+    if uses_postgres(request.node):
+        request.getfixturevalue("postgres_server")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Start the servers the selected tests need; give harness tests their database."""
+    """Give harness tests their database (servers start later, in fixtures)."""
     for item in items:
-        kind = server_needed(item)
-        if kind is not None:
-            server = start_server(kind)
-            if isinstance(server, str):
-                if IN_CI:
-                    raise pytest.UsageError(f"CI is set and {kind} cannot start: {server}")
-                item.add_marker(pytest.mark.skip(reason=f"{kind} unavailable: {server}"))
-                continue
         callspec = getattr(item, "callspec", None)
         alias = HARNESS_DATABASES.get(callspec.params.get("harness")) if callspec else None
         if alias and item.get_closest_marker("django_db") is None:
             item.add_marker(pytest.mark.django_db(transaction=True, databases=[alias]))
 
 
-def pytest_unconfigure(config: pytest.Config) -> None:
-    for server in _servers.values():
-        if isinstance(server, PostgresServer | RedisServer | FirestoreEmulator):
-            server.destroy()
-    _servers.clear()
-
-
-def _session_server(kind: str):
-    server = start_server(kind)
-    if isinstance(server, str):
-        pytest.fail(f"{kind} unavailable: {server}")
-    return server
-
-
-@pytest.fixture(scope="session")
-def postgres_server() -> PostgresServer:
-    return _session_server("postgres")
-
-
-@pytest.fixture(scope="session")
-def redis_server() -> RedisServer:
-    return _session_server("redis")
-
-
-@pytest.fixture(scope="session")
-def firestore_emulator() -> FirestoreEmulator:
-    return _session_server("firestore")
-
-
 @pytest.fixture(params=sorted(HARNESSES))
 def harness(request: pytest.FixtureRequest) -> Iterator[Harness]:
-    """A fresh backend of each kind, with time and fence controls."""
+    """A fresh backend of each kind, with time and fence controls, on its server."""
+    server = HARNESS_SERVERS.get(request.param)
+    if server is not None:
+        request.getfixturevalue(server)
     h = HARNESSES[request.param]()
     try:
         yield h

@@ -59,7 +59,7 @@ DATABASES = {
         # WAL: readers never block the lock backend's writes (and the reverse).
         "OPTIONS": {"init_command": "PRAGMA journal_mode=WAL;"},
     },
-    # Started by the test harness on a free port (tests/conftest.py fills in PORT).
+    # Started on a free port by the postgres_server fixture, which fills in PORT.
     "postgres": {
         "ENGINE": "django.db.backends.postgresql",
         "NAME": "syncguard",

@@ -17,8 +17,7 @@ from django.db import connection
 from django.test import override_settings
 
 from django_syncguard import hash_key
-
-from .conftest import IN_CI
+from tests.support.servers import IN_CI
 
 DATABASE_BACKEND = "django_syncguard.backends.database.DatabaseBackend"
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"

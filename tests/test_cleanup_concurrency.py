@@ -38,7 +38,7 @@ from typing import Any
 import pytest
 
 from django_syncguard.constants import TIME_TOLERANCE_MS
-from tests.processes import run_in_processes
+from tests.support.processes import run_in_processes
 
 WORKERS = 4
 HOT_KEYS = [f"hot:{n}" for n in range(6)]
@@ -69,7 +69,7 @@ def cold_keys(iterations: int) -> list[str]:
 # ------------------------------------------------------- in the child processes
 def _backend(entry: dict[str, Any], databases: dict[str, Any] | None):
     if databases is not None:
-        from tests.workers import setup_django
+        from tests.support.workers import setup_django
 
         setup_django(databases)
     params = dict(entry)

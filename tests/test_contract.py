@@ -1,4 +1,4 @@
-"""The SyncGuard contract, run against every backend (see ``tests/harness.py``)."""
+"""The SyncGuard contract, run against every backend (see ``tests/support/harness.py``)."""
 
 from __future__ import annotations
 

@@ -30,7 +30,7 @@ from django_syncguard.backends.database import (
     map_database_error,
 )
 from django_syncguard.errors import AuthFailed, RateLimited
-from tests.harness import PostgresHarness, SqliteHarness
+from tests.support.harness import PostgresHarness, SqliteHarness
 from tests.testapp.models import Account
 
 DB = "django_syncguard.backends.database.DatabaseBackend"

@@ -7,9 +7,9 @@ from collections import defaultdict
 import pytest
 from django.db import connections
 
-from tests import workers
-from tests.factories import AccountFactory
-from tests.processes import run_in_processes
+from tests.support import workers
+from tests.support.factories import AccountFactory
+from tests.support.processes import run_in_processes
 
 PROCESSES = 4
 databases = pytest.mark.django_db(transaction=True, databases=["default", "postgres"])

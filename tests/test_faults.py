@@ -1,11 +1,11 @@
 """Fault injection on every server backend: PostgreSQL, Redis, Firestore emulator.
 
-Network faults go through ``tests/proxy.py``, a TCP proxy between a backend and the
+Network faults go through ``tests/support/proxy.py``, a TCP proxy between a backend and the
 session's server: latency, a stall (connections held open, no byte forwarded, like a
 frozen server or middlebox: TCP keepalives still see a healthy peer), and a drop
 (every connection reset). Crashes use servers of their own, never the session's:
 worker processes take one key in a loop while the server is killed and restarted on
-the same port and data (``tests/faults.py``).
+the same port and data (``tests/support/faults.py``).
 
 What each backend does, as asserted below (timeouts of 1000 ms):
 
@@ -57,9 +57,9 @@ from django_syncguard.backends.firestore import FirestoreBackend
 from django_syncguard.backends.redis import RedisBackend
 from django_syncguard.errors import LockError, NetworkTimeout, ServiceUnavailable
 from django_syncguard.results import ReleaseResult
-from tests.faults import OUTAGE_ERRORS, Outcome, crash_under_traffic
-from tests.proxy import FaultProxy
-from tests.servers import FirestoreEmulator, PostgresServer, RedisServer, ServerUnavailable
+from tests.support.faults import OUTAGE_ERRORS, Outcome, crash_under_traffic
+from tests.support.proxy import FaultProxy
+from tests.support.servers import FirestoreEmulator, PostgresServer, RedisServer, ServerUnavailable
 
 pytestmark = pytest.mark.slow
 
@@ -76,8 +76,9 @@ FIRST, SECOND = "000000000000001", "000000000000002"
 PROJECT = "syncguard-test"
 FIRESTORE_HOST = "FIRESTORE_EMULATOR_HOST"
 
-# conftest.py starts the session server a "harness" parameter names (skips the test
-# when it cannot start, or fails the run in CI), and gives "postgres" its test DB.
+# The proxied fixture asks for the session server a "harness" parameter names (which
+# skips the test when it cannot start, or fails it in CI); conftest.py gives
+# "postgres" its test DB.
 on_every_server = pytest.mark.parametrize("harness", ["postgres", "redis", "firestore"])
 
 #: After the proxy reset every connection, the next call on the same backend object:

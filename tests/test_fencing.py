@@ -7,7 +7,7 @@ from django.db import connection
 from django.test.utils import CaptureQueriesContext
 
 from django_syncguard import InvalidArgument, StaleFenceError, fenced_update
-from tests.factories import AccountFactory, LedgerFactory
+from tests.support.factories import AccountFactory, LedgerFactory
 from tests.testapp.models import Account, Ledger
 
 pytestmark = pytest.mark.django_db

@@ -25,7 +25,7 @@ from django_syncguard.backends.firestore import (
     map_firestore_error,
 )
 from django_syncguard.handler import InvalidBackendError, LockHandler
-from tests.harness import FirestoreHarness
+from tests.support.harness import FirestoreHarness
 
 
 @pytest.fixture

@@ -6,9 +6,9 @@ import uuid
 
 import pytest
 
-from tests import workers
-from tests.harness import FirestoreHarness
-from tests.processes import run_in_processes
+from tests.support import workers
+from tests.support.harness import FirestoreHarness
+from tests.support.processes import run_in_processes
 
 PROCESSES = 4
 

@@ -23,7 +23,7 @@ import pytest
 from django_syncguard import InvalidArgument
 from django_syncguard.backends.database import LIST_PAGE
 from django_syncguard.backends.redis import MAX_SCANS_PER_PAGE
-from tests.harness import PostgresHarness, RedisHarness, SqliteHarness
+from tests.support.harness import PostgresHarness, RedisHarness, SqliteHarness
 
 LIVE = 100_000
 EXPIRED_EVERY = 11  # rows 11, 22, ... are expired records: 10,000 among the live ones

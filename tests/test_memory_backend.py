@@ -8,7 +8,7 @@ import pytest
 
 from django_syncguard import InvalidArgument
 from django_syncguard.backends.memory import MemoryBackend
-from tests.harness import MemoryHarness
+from tests.support.harness import MemoryHarness
 
 
 def test_threads_exclude_each_other_and_fences_strictly_increase():

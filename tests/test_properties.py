@@ -41,7 +41,7 @@ from django_syncguard.backends.firestore import FirestoreBackend
 from django_syncguard.backends.memory import MemoryBackend
 from django_syncguard.backends.redis import RedisBackend
 from django_syncguard.liveness import FakeClock
-from tests.harness import Harness
+from tests.support.harness import Harness
 
 # ------------------------------------------------------------ the documented rules
 MAX_KEY_BYTES = 512  # "≤ 512 bytes after NFC"

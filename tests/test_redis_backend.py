@@ -20,8 +20,8 @@ from django_syncguard import (
 )
 from django_syncguard.backends.redis import RedisBackend, map_redis_error
 from django_syncguard.handler import InvalidBackendError, LockHandler
-from tests.harness import RedisHarness
-from tests.servers import RedisServer
+from tests.support.harness import RedisHarness
+from tests.support.servers import RedisServer
 
 
 @pytest.fixture

@@ -6,8 +6,8 @@ import uuid
 
 import pytest
 
-from tests import workers
-from tests.processes import run_in_processes
+from tests.support import workers
+from tests.support.processes import run_in_processes
 
 PROCESSES = 4
 

@@ -23,7 +23,7 @@ from django_syncguard import (
     fenced_update,
     hash_key,
 )
-from tests.harness import HARNESSES, Harness
+from tests.support.harness import HARNESSES, Harness
 from tests.testapp.models import Account, Ledger
 
 KEY = "account:alice"

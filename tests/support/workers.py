@@ -2,7 +2,7 @@
 
 Each child talks to the servers through its own connections, exactly as separate
 worker processes of a deployed project would. Every worker ends by putting its records
-(or the exception that stopped it) on ``results``; see ``tests/processes.py``.
+(or the exception that stopped it) on ``results``; see ``tests/support/processes.py``.
 """
 
 from __future__ import annotations

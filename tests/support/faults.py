@@ -28,7 +28,7 @@ def build_backend(kind: str, config: dict[str, Any]) -> Any:
     """A fresh backend in this process; ``config`` is what the parent passed."""
     options = config["options"]
     if kind == "postgres":
-        from tests.workers import setup_django
+        from tests.support.workers import setup_django
 
         setup_django(config["databases"])
         from django_syncguard.backends.database import DatabaseBackend

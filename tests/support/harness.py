@@ -130,7 +130,7 @@ class RedisHarness(Harness):
 
     name = "redis"
     capabilities = Capabilities("redis", supports_fencing=True, time_authority="server")
-    url = ""  # set by tests/conftest.py once the server runs
+    url = ""  # set by the redis_server fixture (tests/conftest.py) while it runs
 
     def __init__(self, **options: object) -> None:
         self.prefix = f"sg{uuid.uuid4().hex[:12]}"
@@ -218,5 +218,9 @@ HARNESSES: dict[str, type[Harness]] = {
 #: Which DATABASES alias each database-backed harness needs.
 HARNESS_DATABASES = {"sqlite": "default", "postgres": "postgres"}
 
-#: Which test server each harness needs (started once per session by conftest.py).
-HARNESS_SERVERS = {"postgres": "postgres", "redis": "redis", "firestore": "firestore"}
+#: The fixture (tests/conftest.py) of the server each harness needs.
+HARNESS_SERVERS = {
+    "postgres": "postgres_server",
+    "redis": "redis_server",
+    "firestore": "firestore_emulator",
+}

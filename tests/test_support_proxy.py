@@ -1,4 +1,4 @@
-"""The fault proxy's notion of a held request (``tests/proxy.py``): the fault tests
+"""The fault proxy's notion of a held request (``tests/support/proxy.py``): the fault tests
 drop a connection while a call waits, and must know that the call's request, not
 some control frame of the client's, is what the proxy holds."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import struct
 
-from tests.proxy import _HTTP2_PREFACE, _Requests
+from tests.support.proxy import _HTTP2_PREFACE, _Requests
 
 PING, SETTINGS, HEADERS, DATA, WINDOW_UPDATE, RST_STREAM = 0x6, 0x4, 0x1, 0x0, 0x8, 0x3
 

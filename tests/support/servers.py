@@ -2,8 +2,9 @@
 
 Each server runs from the binaries of this machine image, in a temporary directory,
 as an unprivileged user when the tests run as root (PostgreSQL refuses root).
-When ``CI`` is set, a server that cannot start fails the run; otherwise the tests
-that need it are skipped with the reason.
+The session's servers are fixtures (``tests/conftest.py``). When ``CI`` is set, a
+server that cannot start fails the tests that need it; otherwise they are skipped
+with the reason.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 PG_BIN = Path(os.environ.get("SYNCGUARD_PG_BIN", "/usr/lib/postgresql/15/bin"))
+#: Whether a server that cannot start fails the tests that need it (else: a skip).
+IN_CI = bool(os.environ.get("CI"))
 
 
 class ServerUnavailable(RuntimeError):
