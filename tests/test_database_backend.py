@@ -24,11 +24,8 @@ from django_syncguard import (
     ServiceUnavailable,
     generate_lock_id,
 )
-from django_syncguard.backends.database import (
-    DatabaseBackend,
-    _idle_connection_is_gone,
-    map_database_error,
-)
+from django_syncguard.backends.database import DatabaseBackend, _idle_connection_is_gone
+from django_syncguard.backends.database.errors import map_database_error
 from django_syncguard.errors import AuthFailed, RateLimited
 from tests.harness import PostgresHarness, SqliteHarness
 from tests.testapp.models import Account

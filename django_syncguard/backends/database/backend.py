@@ -1,23 +1,4 @@
-"""The database backend: locks in your Django database.
-
-PostgreSQL in production (server time, one round trip per operation) and SQLite as
-the embedded default for development. Tables come from this app's migrations
-(``syncguard_locks``, ``syncguard_fence_counters``); run ``migrate`` on the database
-named by ``OPTIONS["DATABASE"]`` (a ``DATABASES`` alias, default ``"default"``).
-
-**Independent of the caller's transaction.** The backend never uses Django's
-connection of that alias (the one your views and ``transaction.atomic()`` use). It
-opens its own connection per thread, from the same settings, in autocommit: a lock
-is visible to every process the moment ``acquire`` returns, survives a rollback of
-the caller's transaction, and a fence is never handed out twice. Each operation is
-a single autocommit statement (or, on SQLite, one short ``BEGIN IMMEDIATE``
-transaction), so the backend works behind pgbouncer in transaction pooling mode: it
-keeps no session state and uses only transaction-scoped advisory locks. Prepared
-statements follow the alias's ``OPTIONS["prepare_threshold"]`` (Django's switch,
-off by default); turn it on only where the pooler, if any, supports them.
-
-See ``specs/backends/database.md`` for the SQL of each operation.
-"""
+"""The database backend's class; the package docstring tells what it does."""
 
 from __future__ import annotations
 
@@ -39,22 +20,15 @@ from django.db import DEFAULT_DB_ALIAS, connections
 from django.db import Error as DjangoDatabaseError
 from django.db.backends.base.base import BaseDatabaseWrapper
 
-from ..cancellation import CancelToken, check_cancel
-from ..constants import BACKEND_LIMITS, CLEANUP_GUARD_MS, RESERVE_BYTES, TIME_TOLERANCE_MS
-from ..errors import (
-    AuthFailed,
-    Internal,
-    InvalidArgument,
-    LockError,
-    NetworkTimeout,
-    RateLimited,
-    ServiceUnavailable,
-)
-from ..fencing import FENCE_MAX, fence_overflow_error, format_fence
-from ..keys import generate_lock_id, make_fence_key, make_storage_key
-from ..liveness import is_live, system_clock_ms
-from ..results import AcquireResult, ExtendResult, ReleaseResult
-from .base import BaseLockBackend, LockPage, LockRecord
+from ...cancellation import CancelToken, check_cancel
+from ...constants import BACKEND_LIMITS, CLEANUP_GUARD_MS, RESERVE_BYTES, TIME_TOLERANCE_MS
+from ...errors import Internal, InvalidArgument, NetworkTimeout, ServiceUnavailable
+from ...fencing import FENCE_MAX, fence_overflow_error, format_fence
+from ...keys import generate_lock_id, make_fence_key, make_storage_key
+from ...liveness import is_live, system_clock_ms
+from ...results import AcquireResult, ExtendResult, ReleaseResult
+from ..base import BaseLockBackend, LockPage, LockRecord
+from .errors import map_database_error
 
 logger = logging.getLogger("django_syncguard.backends.database")
 
@@ -158,66 +132,6 @@ LITE_EXTEND = (
 LITE_EXISTS_ID = "SELECT 1 FROM syncguard_locks WHERE lock_id = %s"
 LITE_SWEEP_KEY = "DELETE FROM syncguard_locks WHERE key = %s AND expires_at_ms < %s"
 LITE_LOOKUP = f"SELECT {LOCK_COLUMNS} FROM syncguard_locks WHERE {{column}} = %s"
-
-# Errors -------------------------------------------------------------------------
-# SQLSTATE (exact code, else its two-character class) -> LockError subclass.
-SQLSTATE_ERRORS: dict[str, type[LockError]] = {
-    "08": ServiceUnavailable,  # connection exception
-    "57P01": ServiceUnavailable,  # admin shutdown
-    "57P02": ServiceUnavailable,  # crash shutdown
-    "57P03": ServiceUnavailable,  # cannot connect now (starting up)
-    "57014": NetworkTimeout,  # query cancelled: statement_timeout
-    "55P03": NetworkTimeout,  # lock not available: lock_timeout
-    "53300": RateLimited,  # too many connections
-    "53": ServiceUnavailable,  # insufficient resources
-    "28": AuthFailed,  # invalid authorization
-    "42501": AuthFailed,  # insufficient privilege
-    "40": ServiceUnavailable,  # serialization failure, deadlock: transient conflict
-    "22": InvalidArgument,  # data exception
-    "23": InvalidArgument,  # integrity constraint violation
-    "42P01": Internal,  # undefined table: migrations not applied
-    "42883": Internal,  # undefined function: migrations not applied
-}
-
-# Driver messages without a SQLSTATE (libpq connection failures, sqlite3).
-MESSAGE_ERRORS: tuple[tuple[str, type[LockError]], ...] = (
-    ("timeout expired", NetworkTimeout),
-    ("timed out", NetworkTimeout),
-    ("database is locked", NetworkTimeout),
-    ("database table is locked", NetworkTimeout),
-    ("no such table", Internal),
-    ("no such function", Internal),
-    ("password authentication failed", AuthFailed),
-    ("connection refused", ServiceUnavailable),
-    ("could not connect", ServiceUnavailable),
-    ("connection failed", ServiceUnavailable),
-    ("server closed the connection", ServiceUnavailable),
-    ("connection is closed", ServiceUnavailable),
-    ("connection already closed", ServiceUnavailable),
-    ("terminating connection", ServiceUnavailable),
-    ("unable to open database", ServiceUnavailable),
-    ("disk i/o error", ServiceUnavailable),
-    ("consuming input failed", ServiceUnavailable),
-)
-
-MIGRATE_HINT = " Run `manage.py migrate django_syncguard --database {alias}`."
-
-
-def map_database_error(exc: BaseException, alias: str) -> LockError:
-    """The ``LockError`` for a database driver error (Django-wrapped or raw)."""
-    cause = exc.__cause__ if isinstance(exc, DjangoDatabaseError) and exc.__cause__ else exc
-    sqlstate = getattr(cause, "sqlstate", None) or getattr(cause, "pgcode", None)
-    error_cls: type[LockError] | None = None
-    if sqlstate:
-        error_cls = SQLSTATE_ERRORS.get(sqlstate) or SQLSTATE_ERRORS.get(sqlstate[:2])
-    text = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
-    if error_cls is None:
-        lowered = str(cause).lower()
-        error_cls = next((cls for needle, cls in MESSAGE_ERRORS if needle in lowered), Internal)
-    message = f"Database {alias!r}: {text}"
-    if sqlstate in ("42P01", "42883") or "no such table" in text.lower():
-        message += MIGRATE_HINT.format(alias=alias)
-    return error_cls(message, context={"cause": exc})
 
 
 class _PerThread(threading.local):

@@ -1,0 +1,34 @@
+"""The database backend: locks in your Django database.
+
+PostgreSQL in production (server time, one round trip per operation) and SQLite as
+the embedded default for development. Tables come from this app's migrations
+(``syncguard_locks``, ``syncguard_fence_counters``); run ``migrate`` on the database
+named by ``OPTIONS["DATABASE"]`` (a ``DATABASES`` alias, default ``"default"``).
+
+**Independent of the caller's transaction.** The backend never uses Django's
+connection of that alias (the one your views and ``transaction.atomic()`` use). It
+opens its own connection per thread, from the same settings, in autocommit: a lock
+is visible to every process the moment ``acquire`` returns, survives a rollback of
+the caller's transaction, and a fence is never handed out twice. Each operation is
+a single autocommit statement (or, on SQLite, one short ``BEGIN IMMEDIATE``
+transaction), so the backend works behind pgbouncer in transaction pooling mode: it
+keeps no session state and uses only transaction-scoped advisory locks. Prepared
+statements follow the alias's ``OPTIONS["prepare_threshold"]`` (Django's switch,
+off by default); turn it on only where the pooler, if any, supports them.
+
+See ``specs/backends/database.md`` for the SQL of each operation.
+"""
+
+from .backend import (
+    LIST_PAGE,
+    SUPPORTED_VENDORS,
+    DatabaseBackend,
+    _idle_connection_is_gone,
+)
+
+__all__ = [
+    "LIST_PAGE",
+    "SUPPORTED_VENDORS",
+    "DatabaseBackend",
+    "_idle_connection_is_gone",
+]
