@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from django_syncguard import InvalidArgument
-from django_syncguard.backends.database import LIST_PAGE
+from django_syncguard.backends.database.operations import LIST_PAGE
 from django_syncguard.backends.redis import MAX_SCANS_PER_PAGE
 from tests.harness import PostgresHarness, RedisHarness, SqliteHarness
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import math
 import os
 import select
 import socket
@@ -12,6 +11,7 @@ import threading
 import weakref
 from collections.abc import Callable, Mapping
 from contextlib import suppress
+from dataclasses import replace
 from functools import partial
 from inspect import signature
 from typing import Any, ClassVar, TypeVar, cast
@@ -23,115 +23,26 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from ...cancellation import CancelToken, check_cancel
 from ...constants import BACKEND_LIMITS, CLEANUP_GUARD_MS, RESERVE_BYTES, TIME_TOLERANCE_MS
 from ...errors import Internal, InvalidArgument, NetworkTimeout, ServiceUnavailable
-from ...fencing import FENCE_MAX, fence_overflow_error, format_fence
+from ...fencing import fence_overflow_error, format_fence
 from ...keys import generate_lock_id, make_fence_key, make_storage_key
-from ...liveness import is_live, system_clock_ms
-from ...results import AcquireResult, ExtendResult, ReleaseResult
+from ...results import AcquireResult, ExtendResult, ReleaseResult, TimeAuthority
 from ..base import BaseLockBackend, LockPage, LockRecord
 from .errors import map_database_error
+from .operations import FENCE_OVERFLOW, LOCKED, DatabaseOperations, Row, StorageKeys
+from .postgresql import PostgresOperations
+from .sqlite import SqliteOperations
 
 logger = logging.getLogger("django_syncguard.backends.database")
 
 T = TypeVar("T")
 
-SUPPORTED_VENDORS = ("postgresql", "sqlite")
+#: The operations object of each supported vendor, by ``connection.vendor``.
+OPERATIONS: dict[str, type[DatabaseOperations]] = {
+    ops.vendor: ops for ops in (PostgresOperations, SqliteOperations)
+}
+SUPPORTED_VENDORS = tuple(OPERATIONS)
 LIMIT_BYTES = BACKEND_LIMITS["POSTGRES"]
 RESERVE = RESERVE_BYTES["POSTGRES"]
-
-# PostgreSQL ---------------------------------------------------------------------
-# Server time in whole Unix milliseconds, read when the statement runs.
-PG_NOW_MS = "floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint"
-
-PG_ACQUIRE = "SELECT * FROM syncguard_acquire(%s, %s, %s, %s, %s, %s, %s)"
-
-# Functions installed by migration 0002; status 1 = done, 2 = expired, 0 = not found.
-PG_RELEASE = "SELECT syncguard_release(%s, %s)"
-PG_EXTEND = "SELECT * FROM syncguard_extend(%s, %s, %s)"
-
-PG_IS_LOCKED = f"""
-SELECT EXISTS (
-    SELECT 1 FROM syncguard_locks WHERE key = %s AND expires_at_ms > {PG_NOW_MS} - %s
-)
-"""
-
-# With CLEANUP_IN_IS_LOCKED: the same answer, and the key's record deleted when it
-# expired more than the guard ago (the answer comes from the snapshot before it).
-PG_IS_LOCKED_CLEANUP = f"""
-WITH t AS (SELECT {PG_NOW_MS} AS now_ms),
-swept AS (
-    DELETE FROM syncguard_locks l USING t
-    WHERE l.key = %s AND l.expires_at_ms < t.now_ms - %s
-)
-SELECT EXISTS (
-    SELECT 1 FROM syncguard_locks l, t WHERE l.key = %s AND l.expires_at_ms > t.now_ms - %s
-)
-"""
-
-LOCK_COLUMNS = "key, lock_id, expires_at_ms, acquired_at_ms, fence, user_key"
-
-PG_LOOKUP = (
-    f"SELECT {LOCK_COLUMNS} FROM syncguard_locks "
-    f"WHERE {{column}} = %s AND expires_at_ms > {PG_NOW_MS} - %s"
-)
-
-PG_NOW = f"SELECT {PG_NOW_MS}"
-
-# Housekeeping (admin inspector, syncguard_cleanup) ----------------------------------
-# One page of live locks in key order (keyset pagination on the primary key index, so
-# a page costs the same at the start and deep into 100,000 locks). The prefix test is
-# an exact substring comparison: LIKE would need escaping and, on SQLite, ignores case.
-LIST_PAGE = (
-    f"SELECT {LOCK_COLUMNS} FROM syncguard_locks "
-    "WHERE key > %s AND expires_at_ms > %s "
-    "AND (substr(key, 1, %s) = %s OR substr(user_key, 1, %s) = %s) "
-    "ORDER BY key LIMIT %s"
-)
-COUNT_EXPIRED = "SELECT count(*) FROM syncguard_locks WHERE expires_at_ms < %s"
-
-# Deletes one batch of records expired before the cutoff. On PostgreSQL each doomed
-# key's advisory lock is tried first (the one syncguard_acquire takes): a key being
-# acquired right now is skipped, so acquire never sees its expired row vanish between
-# its read and its write. The outer condition re-checks expiry at delete time.
-PG_DELETE_EXPIRED = f"""
-WITH t AS (SELECT {PG_NOW_MS} - %s AS cutoff),
-doomed AS (
-    SELECT c.key FROM (
-        SELECT l.key FROM syncguard_locks l, t WHERE l.expires_at_ms < t.cutoff
-        ORDER BY l.expires_at_ms LIMIT %s OFFSET 0
-    ) c
-    WHERE pg_try_advisory_xact_lock(1937337447, hashtext(c.key))
-)
-DELETE FROM syncguard_locks l USING t
-WHERE l.key IN (SELECT key FROM doomed) AND l.expires_at_ms < t.cutoff
-"""
-LITE_DELETE_EXPIRED = (
-    "DELETE FROM syncguard_locks WHERE key IN (SELECT key FROM syncguard_locks "
-    "WHERE expires_at_ms < %s ORDER BY expires_at_ms LIMIT %s) AND expires_at_ms < %s"
-)
-
-# SQLite ---------------------------------------------------------------------------
-# Time is the machine's clock, passed in; writers are serialised by SQLite's
-# database lock, taken up front by BEGIN IMMEDIATE for the multi-statement acquire.
-LITE_SELECT_LOCK = "SELECT expires_at_ms FROM syncguard_locks WHERE key = %s"
-LITE_SELECT_FENCE = "SELECT fence FROM syncguard_fence_counters WHERE fence_key = %s"
-LITE_UPSERT_LOCK = (
-    f"INSERT INTO syncguard_locks ({LOCK_COLUMNS}) VALUES (%s, %s, %s, %s, %s, %s) "
-    "ON CONFLICT (key) DO UPDATE SET lock_id = excluded.lock_id, "
-    "expires_at_ms = excluded.expires_at_ms, acquired_at_ms = excluded.acquired_at_ms, "
-    "fence = excluded.fence, user_key = excluded.user_key"
-)
-LITE_UPSERT_FENCE = (
-    "INSERT INTO syncguard_fence_counters (fence_key, fence) VALUES (%s, %s) "
-    "ON CONFLICT (fence_key) DO UPDATE SET fence = excluded.fence"
-)
-LITE_RELEASE = "DELETE FROM syncguard_locks WHERE lock_id = %s AND expires_at_ms > %s RETURNING 1"
-LITE_EXTEND = (
-    "UPDATE syncguard_locks SET expires_at_ms = %s "
-    "WHERE lock_id = %s AND expires_at_ms > %s RETURNING expires_at_ms"
-)
-LITE_EXISTS_ID = "SELECT 1 FROM syncguard_locks WHERE lock_id = %s"
-LITE_SWEEP_KEY = "DELETE FROM syncguard_locks WHERE key = %s AND expires_at_ms < %s"
-LITE_LOOKUP = f"SELECT {LOCK_COLUMNS} FROM syncguard_locks WHERE {{column}} = %s"
 
 
 class _PerThread(threading.local):
@@ -143,10 +54,14 @@ class _PerThread(threading.local):
 
 
 class DatabaseBackend(BaseLockBackend):
-    """Locks in a Django database; see the module docstring."""
+    """Locks in a Django database; see the package docstring.
 
-    backend_name = "database"
+    The vendor's SQL and facts live in its operations object, ``self.ops``, picked
+    once here from the vendor of the ``DATABASES`` alias.
+    """
+
     known_options: ClassVar[frozenset[str]] = BaseLockBackend.known_options | {"DATABASE"}
+    ops: DatabaseOperations
 
     def __init__(self, alias: str = "default", params: Mapping[str, Any] | None = None) -> None:
         super().__init__(alias, params)
@@ -159,24 +74,43 @@ class DatabaseBackend(BaseLockBackend):
                 f"(configured: {', '.join(connections.settings)})."
             )
         self.database = database
-        self.vendor: str = connections[database].vendor
-        if self.vendor not in SUPPORTED_VENDORS:
+        vendor: str = connections[database].vendor
+        if vendor not in OPERATIONS:
             raise InvalidArgument(
                 f"The database backend supports PostgreSQL and SQLite; DATABASES[{database!r}] "
-                f"is {self.vendor}. Use the Redis or Firestore backend instead."
+                f"is {vendor}. Use the Redis or Firestore backend instead."
             )
-        self.time_authority = "server" if self.vendor == "postgresql" else "client"  # type: ignore[misc]
-        self.backend_name = "postgres" if self.vendor == "postgresql" else "sqlite"  # type: ignore[misc]
-        self.capabilities = type(self.capabilities)(
-            backend=self.backend_name,
-            supports_fencing=True,
-            time_authority=self.time_authority,
+        self.ops = OPERATIONS[vendor](self._run)
+        # base.py built these before the vendor was known (see the properties below).
+        self.capabilities = replace(
+            self.capabilities, backend=self.backend_name, time_authority=self.time_authority
         )
-        self.clock: Callable[[], int] = system_clock_ms
         self._local = _PerThread()
         # Open private connections, weakly: a thread's connection is closed when the
         # thread object goes away (see connection()), and must not be kept alive here.
         self._open: weakref.WeakSet[BaseDatabaseWrapper] = weakref.WeakSet()
+
+    # The vendor's facts, read from its operations object rather than written over
+    # the class variables base.py declares. base.py's __init__ reads them before
+    # this __init__ has picked the vendor: until then the vendor-neutral
+    # DatabaseOperations class answers.
+    @property
+    def backend_name(self) -> str:  # type: ignore[override]
+        return self._facts.backend_name
+
+    @property
+    def time_authority(self) -> TimeAuthority:  # type: ignore[override]
+        return self._facts.time_authority
+
+    @property
+    def _facts(self) -> DatabaseOperations | type[DatabaseOperations]:
+        ops: DatabaseOperations | None = self.__dict__.get("ops")
+        return DatabaseOperations if ops is None else ops
+
+    @property
+    def vendor(self) -> str:
+        """``connection.vendor`` of the ``DATABASES`` alias: postgresql or sqlite."""
+        return self.ops.vendor
 
     # ------------------------------------------------------------- connections
     def connection(self) -> BaseDatabaseWrapper:
@@ -185,7 +119,7 @@ class DatabaseBackend(BaseLockBackend):
         if wrapper is None:
             source = connections[self.database]
             wrapper = type(source)(self._private_settings(source.settings_dict), self.database)
-            if self.vendor == "postgresql":
+            if self.ops.over_network:
                 _bound_replies(wrapper, self.operation_timeout_ms / 1000 + REPLY_MARGIN_S)
             self._local.connection = wrapper
             self._open.add(wrapper)
@@ -201,23 +135,11 @@ class DatabaseBackend(BaseLockBackend):
         private["ATOMIC_REQUESTS"] = False
         private["CONN_MAX_AGE"] = None  # ours to keep; closed by close() or on errors
         private["CONN_HEALTH_CHECKS"] = False
-        options = private.setdefault("OPTIONS", {})
-        if self.vendor == "postgresql":
-            options["connect_timeout"] = max(2, math.ceil(self.connect_timeout_ms / 1000))
-            # A stalled server or a held row lock must not hang a lock call.
-            settings = (
-                f"-c statement_timeout={self.operation_timeout_ms} "
-                f"-c lock_timeout={self.operation_timeout_ms} "
-                f"-c idle_in_transaction_session_timeout={max(self.operation_timeout_ms, 1000)}"
-            )
-            options["options"] = f"{options.get('options', '')} {settings}".strip()
-            options.setdefault("tcp_user_timeout", self.operation_timeout_ms)
-            options.setdefault("keepalives", 1)
-            options.setdefault("keepalives_idle", 5)
-            options.setdefault("keepalives_interval", 2)
-            options.setdefault("keepalives_count", 2)
-        else:
-            options["timeout"] = self.operation_timeout_ms / 1000  # SQLite busy timeout
+        self.ops.connection_options(
+            private.setdefault("OPTIONS", {}),
+            connect_timeout_ms=self.connect_timeout_ms,
+            operation_timeout_ms=self.operation_timeout_ms,
+        )
         return private
 
     def close(self, **kwargs: Any) -> None:
@@ -230,7 +152,7 @@ class DatabaseBackend(BaseLockBackend):
     def _run(self, work: Callable[[Any], T]) -> T:
         """Run ``work(cursor)`` on this thread's connection, mapping driver errors."""
         wrapper = self.connection()
-        if wrapper.connection is not None and self.vendor == "postgresql":
+        if wrapper.connection is not None and self.ops.over_network:
             self._reconnect_if_gone(wrapper)
         try:
             if self._direct(wrapper):
@@ -278,170 +200,64 @@ class DatabaseBackend(BaseLockBackend):
         """Bypass Django's cursor on PostgreSQL unless something watches the queries
         (DEBUG logging, ``CaptureQueriesContext``, execute wrappers of APM tools)."""
         return (
-            self.vendor == "postgresql"
-            and not wrapper.queries_logged
-            and not wrapper.execute_wrappers
+            self.ops.direct_cursor and not wrapper.queries_logged and not wrapper.execute_wrappers
         )
 
     # ----------------------------------------------------------------- helpers
     def _storable(self, key: str) -> str:
-        # PostgreSQL's text type cannot hold U+0000 at all (psycopg refuses to send it).
-        if self.vendor == "postgresql" and "\x00" in key:
-            raise InvalidArgument(
-                "The database backend on PostgreSQL cannot store keys (or prefixes) that "
-                "contain NUL (U+0000): PostgreSQL text has no NUL. Encode such keys first.",
-                context={"key": key},
-            )
-        return key
+        return self.ops.storable(key)
 
     @staticmethod
     def storage_key(key: str) -> str:
         """The primary key of ``key``'s lock row."""
         return make_storage_key("", key, LIMIT_BYTES, RESERVE)
 
-    def storage_keys(self, key: str) -> tuple[str, str, str | None]:
+    def storage_keys(self, key: str) -> StorageKeys:
         """(lock storage key, fence key, user key if it differs from the storage key)."""
         storage_key = self.storage_key(key)
         fence_key = make_fence_key("", key, LIMIT_BYTES, RESERVE)
-        return storage_key, fence_key, (key if storage_key != key else None)
+        return StorageKeys(storage_key, fence_key, key if storage_key != key else None)
 
     def now_ms(self) -> int:
         """The backend's time authority, now (server time on PostgreSQL)."""
-        if self.vendor == "postgresql":
-            return int(self._run(lambda c: _fetch_value(c, PG_NOW, [])))
-        return self.clock()
+        return self.ops.now_ms()
 
-    # --------------------------------------------------------------- acquire
+    @property
+    def _guard_ms(self) -> int:
+        """How long past its expiry cleanup leaves a record alone."""
+        return CLEANUP_GUARD_MS[self.time_authority]
+
+    # ------------------------------------------------------------- operations
     def _acquire(self, key: str, ttl_ms: int, cancel: CancelToken | None) -> AcquireResult:
-        storage_key, fence_key, user_key = self.storage_keys(key)
         lock_id = generate_lock_id()
-        if self.vendor == "postgresql":
-            params = [
-                storage_key,
-                fence_key,
-                lock_id,
-                ttl_ms,
-                user_key,
-                FENCE_MAX,
-                TIME_TOLERANCE_MS,
-            ]
-            # One statement: ``cancel`` was checked before dispatch. Checking it after
-            # the commit would raise while holding a lock the caller never learns of.
-            status, fence, expires = self._run(lambda c: _fetch_row(c, PG_ACQUIRE, params))
-        else:
-            status, fence, expires = self._run(
-                lambda c: self._sqlite_acquire(
-                    c, storage_key, fence_key, user_key, lock_id, ttl_ms, cancel, key
-                )
-            )
-        if status == 2:
+        cancelled = partial(check_cancel, cancel, {"key": key})
+        status, fence, expires = self.ops.acquire(
+            self.storage_keys(key), lock_id, ttl_ms, cancelled
+        )
+        if status == FENCE_OVERFLOW:
             raise fence_overflow_error(key)
-        if status == 0:
+        if status == LOCKED:
             return AcquireResult.locked()
         return AcquireResult(
             ok=True, lock_id=lock_id, expires_at_ms=int(expires), fence=format_fence(int(fence))
         )
 
-    def _sqlite_acquire(
-        self,
-        cursor: Any,
-        storage_key: str,
-        fence_key: str,
-        user_key: str | None,
-        lock_id: str,
-        ttl_ms: int,
-        cancel: CancelToken | None,
-        key: str,
-    ) -> tuple[int, int | None, int | None]:
-        cursor.execute("BEGIN IMMEDIATE")
-        try:
-            now = self.clock()
-            current = _fetch_value(cursor, LITE_SELECT_LOCK, [storage_key])
-            if current is not None and is_live(int(current), now, TIME_TOLERANCE_MS):
-                cursor.execute("ROLLBACK")
-                return 0, None, None
-            fence = int(_fetch_value(cursor, LITE_SELECT_FENCE, [fence_key]) or 0) + 1
-            if fence > FENCE_MAX:
-                cursor.execute("ROLLBACK")
-                return 2, None, None
-            check_cancel(cancel, {"key": key})  # after reads, before writes
-            cursor.execute(
-                LITE_UPSERT_LOCK,
-                [storage_key, lock_id, now + ttl_ms, now, format_fence(fence), user_key],
-            )
-            cursor.execute(LITE_UPSERT_FENCE, [fence_key, fence])
-            cursor.execute("COMMIT")
-            return 1, fence, now + ttl_ms
-        except BaseException:
-            with suppress(Exception):
-                cursor.execute("ROLLBACK")
-            raise
-
-    # --------------------------------------------------------------- release
     def _release(self, lock_id: str, cancel: CancelToken | None) -> ReleaseResult:
-        if self.vendor == "postgresql":
-            params = [lock_id, TIME_TOLERANCE_MS]
-            status = self._run(lambda c: _fetch_value(c, PG_RELEASE, params))
-            deleted, existed = status == 1, status == 2
-        else:
-            now = self.clock()
-
-            def release(cursor: Any) -> tuple[int, bool]:
-                cursor.execute(LITE_RELEASE, [lock_id, now - TIME_TOLERANCE_MS])
-                if cursor.fetchone() is not None:
-                    return 1, True
-                return 0, _fetch_value(cursor, LITE_EXISTS_ID, [lock_id]) is not None
-
-            deleted, existed = self._run(release)
+        deleted, existed = self.ops.release(lock_id)
         if deleted:
             return ReleaseResult(ok=True)
         return ReleaseResult(ok=False, reason="expired" if existed else "not-found")
 
-    # ---------------------------------------------------------------- extend
     def _extend(self, lock_id: str, ttl_ms: int, cancel: CancelToken | None) -> ExtendResult:
-        if self.vendor == "postgresql":
-            params = [lock_id, ttl_ms, TIME_TOLERANCE_MS]
-            status, expires = self._run(lambda c: _fetch_row(c, PG_EXTEND, params))
-            existed = status == 2
-        else:
-            now = self.clock()
-
-            def extend(cursor: Any) -> tuple[int | None, bool]:
-                cursor.execute(LITE_EXTEND, [now + ttl_ms, lock_id, now - TIME_TOLERANCE_MS])
-                row = cursor.fetchone()
-                if row is not None:
-                    return int(row[0]), True
-                return None, _fetch_value(cursor, LITE_EXISTS_ID, [lock_id]) is not None
-
-            expires, existed = self._run(extend)
+        expires, existed = self.ops.extend(lock_id, ttl_ms)
         if expires is not None:
             return ExtendResult(ok=True, expires_at_ms=int(expires))
         return ExtendResult(ok=False, reason="expired" if existed else "not-found")
 
-    # ------------------------------------------------------------- is_locked
     def _is_locked(self, key: str, cancel: CancelToken | None) -> bool:
-        storage_key = self.storage_key(key)
-        guard = CLEANUP_GUARD_MS[self.time_authority]
-        if self.vendor == "postgresql":
-            if self.cleanup_in_is_locked:
-                params = [storage_key, guard, storage_key, TIME_TOLERANCE_MS]
-                return bool(self._run(lambda c: _fetch_value(c, PG_IS_LOCKED_CLEANUP, params)))
-            params = [storage_key, TIME_TOLERANCE_MS]
-            return bool(self._run(lambda c: _fetch_value(c, PG_IS_LOCKED, params)))
-        now = self.clock()
+        sweep_guard_ms = self._guard_ms if self.cleanup_in_is_locked else None
+        return self.ops.is_locked(self.storage_key(key), sweep_guard_ms)
 
-        def is_locked(cursor: Any) -> bool:
-            expires = _fetch_value(cursor, LITE_SELECT_LOCK, [storage_key])
-            if expires is None:
-                return False
-            cutoff = self._cleanup_cutoff(now)
-            if self.cleanup_in_is_locked and int(expires) < cutoff:
-                cursor.execute(LITE_SWEEP_KEY, [storage_key, cutoff])
-            return is_live(int(expires), now, TIME_TOLERANCE_MS)
-
-        return self._run(is_locked)
-
-    # ---------------------------------------------------------------- lookup
     def _lookup_by_key(self, key: str, cancel: CancelToken | None) -> LockRecord | None:
         return self._lookup("key", self.storage_key(key))
 
@@ -449,38 +265,24 @@ class DatabaseBackend(BaseLockBackend):
         return self._lookup("lock_id", lock_id)
 
     def _lookup(self, column: str, value: str) -> LockRecord | None:
-        if self.vendor == "postgresql":
-            sql = PG_LOOKUP.format(column=column)
-            row = self._run(lambda c: _fetch_row(c, sql, [value, TIME_TOLERANCE_MS]))
-        else:
-            now = self.clock()
-            row = self._run(lambda c: _fetch_row(c, LITE_LOOKUP.format(column=column), [value]))
-            if row is not None and not is_live(int(row[2]), now, TIME_TOLERANCE_MS):
-                row = None
+        row = self.ops.lookup(column, value)
         return None if row is None else _record(row)
 
     # ---------------------------------------------------------- housekeeping
     def _list_locks(self, prefix: str, cursor: str | None, limit: int) -> LockPage:
+        """Keyset pagination: a page is the ``limit`` live rows after the cursor (the
+        last storage key of the previous page); one more row tells there is a next."""
         now = self.now_ms()
-        size = len(prefix)
-        params = [cursor or "", now - TIME_TOLERANCE_MS, size, prefix, size, prefix, limit + 1]
-        rows = self._run(lambda c: _fetch_all(c, LIST_PAGE, params))
+        rows = self.ops.list_page(cursor or "", now - TIME_TOLERANCE_MS, prefix, limit + 1)
         records = tuple(_record(row) for row in rows[:limit])
         more = len(rows) > limit
         return LockPage(records, rows[limit - 1][0] if more else None, now)
 
     def _count_expired(self) -> int:
-        cutoff = self._cleanup_cutoff(self.now_ms())
-        return int(self._run(lambda c: _fetch_value(c, COUNT_EXPIRED, [cutoff])))
+        return self.ops.count_expired(self._cleanup_cutoff(self.now_ms()))
 
     def _delete_expired_batch(self, batch_size: int) -> int:
-        if self.vendor == "postgresql":
-            params: list[Any] = [CLEANUP_GUARD_MS["server"], batch_size]
-            sql = PG_DELETE_EXPIRED
-        else:
-            cutoff = self._cleanup_cutoff(self.clock())
-            params, sql = [cutoff, batch_size, cutoff], LITE_DELETE_EXPIRED
-        return int(self._run(lambda c: _row_count(c, sql, params)))
+        return self.ops.delete_expired_batch(batch_size, self._guard_ms)
 
     # Async: the private connections are per thread, so any worker thread will do.
     async def _in_thread(self, fn: Callable[..., T], *args: Any) -> T:
@@ -569,7 +371,7 @@ def _close_quietly(wrapper: BaseDatabaseWrapper) -> None:
         wrapper.close()
 
 
-def _record(row: Any) -> LockRecord:
+def _record(row: Row) -> LockRecord:
     storage_key, lock_id, expires, acquired, fence, user_key = row
     return LockRecord(
         key=user_key if user_key is not None else storage_key,
@@ -578,23 +380,3 @@ def _record(row: Any) -> LockRecord:
         acquired_at_ms=int(acquired),
         fence=fence,
     )
-
-
-def _fetch_all(cursor: Any, sql: str, params: list[Any]) -> list[Any]:
-    cursor.execute(sql, params)
-    return list(cursor.fetchall())
-
-
-def _row_count(cursor: Any, sql: str, params: list[Any]) -> int:
-    cursor.execute(sql, params)
-    return int(cursor.rowcount)
-
-
-def _fetch_row(cursor: Any, sql: str, params: list[Any]) -> Any:
-    cursor.execute(sql, params)
-    return cursor.fetchone()
-
-
-def _fetch_value(cursor: Any, sql: str, params: list[Any]) -> Any:
-    row = _fetch_row(cursor, sql, params)
-    return None if row is None else row[0]
