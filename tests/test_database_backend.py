@@ -24,7 +24,8 @@ from django_syncguard import (
     ServiceUnavailable,
     generate_lock_id,
 )
-from django_syncguard.backends.database import DatabaseBackend, _idle_connection_is_gone
+from django_syncguard.backends.database import DatabaseBackend
+from django_syncguard.backends.database.connections import idle_connection_is_gone
 from django_syncguard.backends.database.errors import map_database_error
 from django_syncguard.errors import AuthFailed, RateLimited
 from tests.harness import PostgresHarness, SqliteHarness
@@ -419,7 +420,7 @@ def test_an_idle_connection_is_gone_only_when_its_peer_ended_it(peer_does, gone)
             peer.sendall(b"\x15\x03\x03\x00\x02\x01\x00")
         elif peer_does == "sends TLS application data":
             peer.sendall(b"\x17\x03\x03\x00\x01\x00")
-        assert _idle_connection_is_gone(ours) is gone
+        assert idle_connection_is_gone(ours) is gone
         # The peek consumed nothing: the driver still reads whatever arrived.
         if peer_does == "sends a notice":
             assert ours.recv(16) == b"N\x00\x00\x00\x04"
@@ -461,7 +462,7 @@ def test_each_operation_is_one_round_trip_on_the_wire(pg, tmp_path):
     backend = pg.backend
     wrapper = backend.connection()
     wrapper.ensure_connection()
-    assert backend._direct(wrapper) is True
+    assert backend.connections.direct(wrapper) is True
 
     def operations() -> None:
         held = backend.acquire("wire", 10_000)

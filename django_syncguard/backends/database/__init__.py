@@ -19,10 +19,6 @@ off by default); turn it on only where the pooler, if any, supports them.
 See ``specs/backends/database.md`` for the SQL of each operation.
 """
 
-from .backend import SUPPORTED_VENDORS, DatabaseBackend, _idle_connection_is_gone
+from .backend import SUPPORTED_VENDORS, DatabaseBackend
 
-__all__ = [
-    "SUPPORTED_VENDORS",
-    "DatabaseBackend",
-    "_idle_connection_is_gone",
-]
+__all__ = ["SUPPORTED_VENDORS", "DatabaseBackend"]
