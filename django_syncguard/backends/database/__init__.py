@@ -19,6 +19,7 @@ off by default); turn it on only where the pooler, if any, supports them.
 See ``specs/backends/database.md`` for the SQL of each operation.
 """
 
-from .backend import SUPPORTED_VENDORS, DatabaseBackend
+from .backend import DatabaseBackend
+from .target import SUPPORTED_VENDORS
 
 __all__ = ["SUPPORTED_VENDORS", "DatabaseBackend"]

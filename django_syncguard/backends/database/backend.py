@@ -7,7 +7,7 @@ from dataclasses import replace
 from functools import partial
 from typing import Any, ClassVar, TypeVar
 
-from django.db import DEFAULT_DB_ALIAS, connections
+from django.core.checks import CheckMessage
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from ...cancellation import CancelToken, check_cancel
@@ -19,16 +19,10 @@ from ...results import AcquireResult, ExtendResult, ReleaseResult, TimeAuthority
 from ..base import BaseLockBackend, LockPage, LockRecord
 from .connections import PrivateConnections
 from .operations import FENCE_OVERFLOW, LOCKED, DatabaseOperations, Row, StorageKeys
-from .postgresql import PostgresOperations
-from .sqlite import SqliteOperations
+from .target import Problem, check_errors, resolve
 
 T = TypeVar("T")
 
-#: The operations object of each supported vendor, by ``connection.vendor``.
-OPERATIONS: dict[str, type[DatabaseOperations]] = {
-    ops.vendor: ops for ops in (PostgresOperations, SqliteOperations)
-}
-SUPPORTED_VENDORS = tuple(OPERATIONS)
 LIMIT_BYTES = BACKEND_LIMITS["POSTGRES"]
 RESERVE = RESERVE_BYTES["POSTGRES"]
 
@@ -45,33 +39,28 @@ class DatabaseBackend(BaseLockBackend):
 
     def __init__(self, alias: str = "default", params: Mapping[str, Any] | None = None) -> None:
         super().__init__(alias, params)
-        database = self.options.get("DATABASE", DEFAULT_DB_ALIAS)
-        if not isinstance(database, str) or not database:
-            raise InvalidArgument("OPTIONS['DATABASE'] must name an alias of DATABASES.")
-        if database not in connections.settings:
-            raise InvalidArgument(
-                f"OPTIONS['DATABASE'] = {database!r} is not an alias of DATABASES "
-                f"(configured: {', '.join(connections.settings)})."
-            )
-        self.database = database
-        vendor: str = connections[database].vendor
-        if vendor not in OPERATIONS:
-            raise InvalidArgument(
-                f"The database backend supports PostgreSQL and SQLite; DATABASES[{database!r}] "
-                f"is {vendor}. Use the Redis or Firestore backend instead."
-            )
-        operations = OPERATIONS[vendor]
+        target = resolve(alias, self.options)
+        if isinstance(target, Problem):
+            raise InvalidArgument(target.message)
+        self.database = target.database
         self.connections = PrivateConnections(
-            database,
-            operations,
+            self.database,
+            target.operations,
             connect_timeout_ms=self.connect_timeout_ms,
             operation_timeout_ms=self.operation_timeout_ms,
         )
-        self.ops = operations(self.connections.run)
+        self.ops = target.operations(self.connections.run)
         # base.py built these before the vendor was known (see the properties below).
         self.capabilities = replace(
             self.capabilities, backend=self.backend_name, time_authority=self.time_authority
         )
+
+    @classmethod
+    def check_settings(cls, alias: str, params: Mapping[str, Any]) -> list[CheckMessage]:
+        """``syncguard.E004`` / ``syncguard.E005`` for the lock alias ``alias`` (its
+        ``SYNCGUARD_BACKENDS`` entry is ``params``), without building a backend and
+        without I/O: the judgement the constructor makes, as system-check errors."""
+        return check_errors(alias, params)
 
     # The vendor's facts, read from its operations object rather than written over
     # the class variables base.py declares. base.py's __init__ reads them before
