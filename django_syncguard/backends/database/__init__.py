@@ -16,6 +16,17 @@ keeps no session state and uses only transaction-scoped advisory locks. Prepared
 statements follow the alias's ``OPTIONS["prepare_threshold"]`` (Django's switch,
 off by default); turn it on only where the pooler, if any, supports them.
 
+The package, one module per concern:
+
+- ``backend.py``: ``DatabaseBackend``, vendor-neutral (storage keys, results from
+  rows, pagination, ``check_settings``);
+- ``target.py``: which ``DATABASES`` alias and vendor ``OPTIONS["DATABASE"]`` names,
+  judged once for the constructor and the system check;
+- ``operations.py``: ``DatabaseOperations``, what the backend asks of a vendor, and
+  the SQL every vendor shares; ``postgresql.py`` and ``sqlite.py``: one subclass each;
+- ``connections.py``: the private per-thread connections; ``errors.py``: driver
+  errors as ``LockError``.
+
 See ``specs/backends/database.md`` for the SQL of each operation.
 """
 

@@ -120,9 +120,9 @@ class DatabaseBackend(BaseLockBackend):
     # ------------------------------------------------------------- operations
     def _acquire(self, key: str, ttl_ms: int, cancel: CancelToken | None) -> AcquireResult:
         lock_id = generate_lock_id()
-        cancelled = partial(check_cancel, cancel, {"key": key})
+        check_cancelled = partial(check_cancel, cancel, {"key": key})
         status, fence, expires = self.ops.acquire(
-            self.storage_keys(key), lock_id, ttl_ms, cancelled
+            self.storage_keys(key), lock_id, ttl_ms, check_cancelled
         )
         if status == FENCE_OVERFLOW:
             raise fence_overflow_error(key)
