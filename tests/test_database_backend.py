@@ -13,6 +13,8 @@ from typing import Any
 
 import psycopg
 import pytest
+from django.core import checks
+from django.core.exceptions import ImproperlyConfigured
 from django.db import connections, transaction
 from django.test.utils import CaptureQueriesContext
 
@@ -24,11 +26,10 @@ from django_syncguard import (
     ServiceUnavailable,
     generate_lock_id,
 )
-from django_syncguard.backends.database import (
-    DatabaseBackend,
-    _idle_connection_is_gone,
-    map_database_error,
-)
+from django_syncguard import checks as syncguard_checks
+from django_syncguard.backends.database import DatabaseBackend
+from django_syncguard.backends.database.connections import idle_connection_is_gone
+from django_syncguard.backends.database.errors import map_database_error
 from django_syncguard.errors import AuthFailed, RateLimited
 from tests.support.harness import PostgresHarness, SqliteHarness
 from tests.testapp.models import Account
@@ -333,15 +334,47 @@ def test_sqlite_acquire_checks_cancel_before_writing(lite):
 
 # ----------------------------------------------------------- configuration
 def test_unsupported_vendor_is_refused():
-    with pytest.raises(
-        InvalidArgument, match=r"does not support \(supported: postgresql, sqlite\)"
-    ):
+    with pytest.raises(InvalidArgument, match="supports PostgreSQL and SQLite"):
         DatabaseBackend("x", {"OPTIONS": {"DATABASE": "unsupported"}})
 
 
 def test_unknown_database_alias_is_refused():
     with pytest.raises(InvalidArgument, match="'nope' is not an alias of DATABASES"):
         DatabaseBackend("x", {"OPTIONS": {"DATABASE": "nope"}})
+
+
+# No django_db mark: any attempt to reach a database fails these tests (no I/O).
+@pytest.mark.parametrize(
+    ("database", "check_id"), [("unsupported", "syncguard.E004"), ("nope", "syncguard.E005")]
+)
+def test_check_settings_reports_what_the_constructor_refuses(settings, database, check_id):
+    params = {"BACKEND": DB, "OPTIONS": {"DATABASE": database}}
+    settings.SYNCGUARD_BACKENDS = {"locks": params}
+    [error] = DatabaseBackend.check_settings("locks", params)
+    assert error.id == check_id
+    assert error.level == checks.ERROR
+    assert error.msg.startswith("Lock backend 'locks': ")
+    # The same message, hint and id as the app's system check reports today (other
+    # messages, about @locked functions other tests registered, are not compared).
+    assert [error] == [m for m in syncguard_checks.check_backends() if m.id == check_id]
+    with pytest.raises(InvalidArgument):
+        DatabaseBackend("locks", params)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [None, {}, {"DATABASE": "postgres"}, {"DATABASE": 1}, {"DATABASE": ""}, ["DATABASE"]],
+)
+def test_check_settings_leaves_other_problems_to_construction(options):
+    assert DatabaseBackend.check_settings("locks", {"BACKEND": DB, "OPTIONS": options}) == []
+
+
+def test_check_settings_leaves_an_unloadable_engine_to_construction(monkeypatch):
+    monkeypatch.setitem(connections.settings, "broken", {"ENGINE": "no_such_engine_for_syncguard"})
+    params = {"BACKEND": DB, "OPTIONS": {"DATABASE": "broken"}}
+    assert DatabaseBackend.check_settings("locks", params) == []
+    with pytest.raises(ImproperlyConfigured, match="no_such_engine_for_syncguard"):
+        DatabaseBackend("locks", params)
 
 
 def test_private_connection_settings():
@@ -424,7 +457,7 @@ def test_an_idle_connection_is_gone_only_when_its_peer_ended_it(peer_does, gone)
             peer.sendall(b"\x15\x03\x03\x00\x02\x01\x00")
         elif peer_does == "sends TLS application data":
             peer.sendall(b"\x17\x03\x03\x00\x01\x00")
-        assert _idle_connection_is_gone(ours) is gone
+        assert idle_connection_is_gone(ours) is gone
         # The peek consumed nothing: the driver still reads whatever arrived.
         if peer_does == "sends a notice":
             assert ours.recv(16) == b"N\x00\x00\x00\x04"
@@ -466,7 +499,7 @@ def test_each_operation_is_one_round_trip_on_the_wire(pg, tmp_path):
     backend = pg.backend
     wrapper = backend.connection()
     wrapper.ensure_connection()
-    assert backend._direct(wrapper) is True
+    assert backend.connections.direct(wrapper) is True
 
     def operations() -> None:
         held = backend.acquire("wire", 10_000)

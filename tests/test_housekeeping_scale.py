@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from django_syncguard import InvalidArgument
-from django_syncguard.backends.database import LIST_PAGE
+from django_syncguard.backends.database.operations import LIST_PAGE
 from django_syncguard.backends.redis import MAX_SCANS_PER_PAGE
 from tests.support.harness import PostgresHarness, RedisHarness, SqliteHarness
 
@@ -135,7 +135,7 @@ class Statements:
 def page_and_statements(backend, cursor: str | None, limit: int = PAGE):
     """One page and the statements it ran on the backend's private connection. (With
     an execute wrapper installed the backend goes through Django's cursor on PostgreSQL
-    too, see ``DatabaseBackend._direct``; the statements are the same.)"""
+    too, see ``PrivateConnections.direct``; the statements are the same.)"""
     statements = Statements()
     with backend.connection().execute_wrapper(statements):
         page = backend.list_locks(cursor=cursor, limit=limit)

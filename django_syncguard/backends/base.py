@@ -15,6 +15,7 @@ import logging
 import unicodedata
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping
+from functools import cached_property
 from typing import Any, ClassVar, TypeVar
 
 from asgiref.sync import sync_to_async
@@ -129,9 +130,6 @@ class BaseLockBackend(SanitizedLookups, ABC):
     ``KEY_PREFIX``, ``OPTIONS``). Construction validates options but performs no I/O.
     """
 
-    #: Short name reported in ``capabilities.backend``.
-    backend_name: ClassVar[str] = "base"
-    time_authority: ClassVar[TimeAuthority] = "server"
     supports_fencing: ClassVar[bool] = True
     #: Options every backend accepts; subclasses extend it.
     known_options: ClassVar[frozenset[str]] = frozenset(
@@ -167,14 +165,30 @@ class BaseLockBackend(SanitizedLookups, ABC):
         self.operation_timeout_ms = option_ms(
             self.options, "OPERATION_TIMEOUT_MS", DEFAULT_OPERATION_TIMEOUT_MS
         )
-        self.capabilities = Capabilities(
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} alias={self.alias!r}>"
+
+    # A subclass states these facts as class attributes (``backend_name = "redis"``),
+    # or as properties when they depend on its settings (the database backend's vendor).
+    @property
+    def backend_name(self) -> str:
+        """Short name reported in ``capabilities.backend``."""
+        return "base"
+
+    @property
+    def time_authority(self) -> TimeAuthority:
+        """Whose clock decides expiry: the server's, or this process's."""
+        return "server"
+
+    @cached_property
+    def capabilities(self) -> Capabilities:
+        """What this backend offers; built on first use, once the facts are known."""
+        return Capabilities(
             backend=self.backend_name,
             supports_fencing=self.supports_fencing,
             time_authority=self.time_authority,
         )
-
-    def __repr__(self) -> str:
-        return f"<{type(self).__name__} alias={self.alias!r}>"
 
     def _key_prefix(self, params: Mapping[str, Any]) -> str:
         if "KEY_PREFIX" in params and not self.uses_key_prefix:

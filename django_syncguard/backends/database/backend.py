@@ -1,0 +1,215 @@
+"""The database backend's class; the package docstring tells what it does."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from functools import partial
+from typing import Any, ClassVar, TypeVar
+
+from asgiref.sync import sync_to_async
+from django.core import checks
+from django.core.checks import CheckMessage
+from django.db import connections
+from django.db.backends.base.base import BaseDatabaseWrapper
+
+from ...cancellation import CancelToken, check_cancel
+from ...constants import BACKEND_LIMITS, CLEANUP_GUARD_MS, RESERVE_BYTES, TIME_TOLERANCE_MS
+from ...errors import InvalidArgument
+from ...fencing import fence_overflow_error, format_fence
+from ...keys import generate_lock_id, make_fence_key, make_storage_key
+from ...results import (
+    AcquireResult,
+    ExtendResult,
+    LockPage,
+    LockRecord,
+    ReleaseResult,
+    TimeAuthority,
+)
+from ..base import BaseLockBackend, delete_in_batches
+from .connections import PrivateConnections
+from .operations import FENCE_OVERFLOW, LOCKED, DatabaseOperations, Row, StorageKeys
+from .target import Problem, check_errors, resolve
+
+T = TypeVar("T")
+
+# System-check message of this backend (see checks.py for the table of ids; E004 and
+# E005 are in target.py).
+W002 = (
+    "Lock backend {alias!r} keeps its locks in DATABASES[{database!r}], which has "
+    "ATOMIC_REQUESTS=True. The lock backend uses its own autocommit connection, so a lock "
+    "is visible at once, but a view decorated with @locked commits its writes only after "
+    "the decorator released the lock: the next holder can read data from before the write."
+)
+W002_HINT = (
+    "Decorate such views with @transaction.non_atomic_requests and open "
+    "transaction.atomic() inside the locked function, or write with fenced_update()."
+)
+
+LIMIT_BYTES = BACKEND_LIMITS["POSTGRES"]
+RESERVE = RESERVE_BYTES["POSTGRES"]
+
+
+class DatabaseBackend(BaseLockBackend):
+    """Locks in a Django database; see the package docstring.
+
+    The vendor's SQL and facts live in its operations object, ``self.ops``, picked
+    once here from the vendor of the ``DATABASES`` alias.
+    """
+
+    known_options: ClassVar[frozenset[str]] = BaseLockBackend.known_options | {"DATABASE"}
+    ops: DatabaseOperations
+
+    def __init__(self, alias: str = "default", params: Mapping[str, Any] | None = None) -> None:
+        super().__init__(alias, params)
+        target = resolve(alias, self.options)
+        if isinstance(target, Problem):
+            raise InvalidArgument(target.message)
+        self.database = target.database
+        self.connections = PrivateConnections(
+            self.database,
+            target.operations,
+            connect_timeout_ms=self.connect_timeout_ms,
+            operation_timeout_ms=self.operation_timeout_ms,
+        )
+        self.ops = target.operations(self.connections.run)
+
+    @classmethod
+    def check_settings(cls, alias: str, params: Mapping[str, Any]) -> list[CheckMessage]:
+        """``syncguard.E004`` / ``syncguard.E005`` for the lock alias ``alias`` (its
+        ``SYNCGUARD_BACKENDS`` entry is ``params``), without building a backend and
+        without I/O: the judgement the constructor makes, as system-check errors."""
+        return check_errors(alias, params)
+
+    def check(self, **kwargs: Any) -> list[CheckMessage]:
+        """``syncguard.W002`` when the locks' ``DATABASES`` alias has ATOMIC_REQUESTS."""
+        if not connections.settings[self.database].get("ATOMIC_REQUESTS"):
+            return []
+        return [
+            checks.Warning(
+                W002.format(alias=self.alias, database=self.database),
+                hint=W002_HINT,
+                id="syncguard.W002",
+            )
+        ]
+
+    # The vendor's facts, read from its operations object.
+    @property
+    def backend_name(self) -> str:
+        return self.ops.backend_name
+
+    @property
+    def time_authority(self) -> TimeAuthority:
+        return self.ops.time_authority
+
+    @property
+    def vendor(self) -> str:
+        """``connection.vendor`` of the ``DATABASES`` alias: postgresql or sqlite."""
+        return self.ops.vendor
+
+    # ------------------------------------------------------------- connections
+    def connection(self) -> BaseDatabaseWrapper:
+        """This thread's private connection (created on first use, not yet opened)."""
+        return self.connections.connection()
+
+    def close(self, **kwargs: Any) -> None:
+        """Close every private connection this backend opened, in any thread."""
+        self.connections.close()
+
+    # ----------------------------------------------------------------- helpers
+    def _storable(self, key: str) -> str:
+        return self.ops.storable(key)
+
+    @staticmethod
+    def storage_key(key: str) -> str:
+        """The primary key of ``key``'s lock row."""
+        return make_storage_key("", key, LIMIT_BYTES, RESERVE)
+
+    def storage_keys(self, key: str) -> StorageKeys:
+        """(lock storage key, fence key, user key if it differs from the storage key)."""
+        storage_key = self.storage_key(key)
+        fence_key = make_fence_key("", key, LIMIT_BYTES, RESERVE)
+        return StorageKeys(storage_key, fence_key, key if storage_key != key else None)
+
+    def now_ms(self) -> int:
+        """The backend's time authority, now (server time on PostgreSQL)."""
+        return self.ops.now_ms()
+
+    @property
+    def _guard_ms(self) -> int:
+        """How long past its expiry cleanup leaves a record alone."""
+        return CLEANUP_GUARD_MS[self.time_authority]
+
+    # ------------------------------------------------------------- operations
+    def _acquire(self, key: str, ttl_ms: int, cancel: CancelToken | None) -> AcquireResult:
+        lock_id = generate_lock_id()
+        check_cancelled = partial(check_cancel, cancel, {"key": key})
+        status, fence, expires = self.ops.acquire(
+            self.storage_keys(key), lock_id, ttl_ms, check_cancelled
+        )
+        if status == FENCE_OVERFLOW:
+            raise fence_overflow_error(key)
+        if status == LOCKED:
+            return AcquireResult.locked()
+        return AcquireResult(
+            ok=True, lock_id=lock_id, expires_at_ms=int(expires), fence=format_fence(int(fence))
+        )
+
+    def _release(self, lock_id: str, cancel: CancelToken | None) -> ReleaseResult:
+        deleted, existed = self.ops.release(lock_id)
+        if deleted:
+            return ReleaseResult(ok=True)
+        return ReleaseResult(ok=False, reason="expired" if existed else "not-found")
+
+    def _extend(self, lock_id: str, ttl_ms: int, cancel: CancelToken | None) -> ExtendResult:
+        expires, existed = self.ops.extend(lock_id, ttl_ms)
+        if expires is not None:
+            return ExtendResult(ok=True, expires_at_ms=int(expires))
+        return ExtendResult(ok=False, reason="expired" if existed else "not-found")
+
+    def _is_locked(self, key: str, cancel: CancelToken | None) -> bool:
+        sweep_guard_ms = self._guard_ms if self.cleanup_in_is_locked else None
+        return self.ops.is_locked(self.storage_key(key), sweep_guard_ms)
+
+    def _lookup_by_key(self, key: str, cancel: CancelToken | None) -> LockRecord | None:
+        return self._lookup("key", self.storage_key(key))
+
+    def _lookup_by_id(self, lock_id: str, cancel: CancelToken | None) -> LockRecord | None:
+        return self._lookup("lock_id", lock_id)
+
+    def _lookup(self, column: str, value: str) -> LockRecord | None:
+        row = self.ops.lookup(column, value)
+        return None if row is None else _record(row)
+
+    # ---------------------------------------------------------- housekeeping
+    def _list_locks(self, prefix: str, cursor: str | None, limit: int) -> LockPage:
+        """Keyset pagination: a page is the ``limit`` live rows after the cursor (the
+        last storage key of the previous page); one more row tells there is a next."""
+        now = self.now_ms()
+        rows = self.ops.list_page(cursor or "", now - TIME_TOLERANCE_MS, prefix, limit + 1)
+        records = tuple(_record(row) for row in rows[:limit])
+        more = len(rows) > limit
+        return LockPage(records, rows[limit - 1][0] if more else None, now)
+
+    def _count_expired(self) -> int:
+        return self.ops.count_expired(self._cleanup_cutoff(self.now_ms()))
+
+    def _delete_expired(self, batch_size: int) -> Iterator[int]:
+        return delete_in_batches(self._delete_expired_batch, batch_size)
+
+    def _delete_expired_batch(self, batch_size: int) -> int:
+        return self.ops.delete_expired_batch(batch_size, self._guard_ms)
+
+    # Async: the private connections are per thread, so any worker thread will do.
+    async def _in_thread(self, fn: Callable[..., T], *args: Any) -> T:
+        return await sync_to_async(fn, thread_sensitive=False)(*args)
+
+
+def _record(row: Row) -> LockRecord:
+    storage_key, lock_id, expires, acquired, fence, user_key = row
+    return LockRecord(
+        key=user_key if user_key is not None else storage_key,
+        lock_id=lock_id,
+        expires_at_ms=int(expires),
+        acquired_at_ms=int(acquired),
+        fence=fence,
+    )

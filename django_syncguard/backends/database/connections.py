@@ -1,0 +1,242 @@
+"""The database backend's own connections: one per thread, never Django's.
+
+Each thread gets a private ``DatabaseWrapper`` built from a copy of the alias's
+settings, in autocommit and with our timeouts, so a lock never joins the caller's
+transaction. It is opened on first use and kept until ``close()``, or closed after
+a connection error so that the next call reconnects. On a database across a
+network (PostgreSQL), every wait for a reply is bounded, an idle connection that the
+server or a proxy ended is noticed before a call is sent on it, and statements go
+through a reused driver cursor unless something watches the queries. See
+``specs/backends/database.md``, Connections and transactions.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import select
+import socket
+import threading
+import weakref
+from collections.abc import Callable, Mapping
+from contextlib import suppress
+from functools import partial
+from inspect import signature
+from typing import Any, TypeVar, cast
+
+from django.db import Error as DjangoDatabaseError
+from django.db import connections
+from django.db.backends.base.base import BaseDatabaseWrapper
+
+from ...errors import Internal, NetworkTimeout, ServiceUnavailable
+from .errors import map_database_error
+from .operations import DatabaseOperations
+
+logger = logging.getLogger("django_syncguard.backends.database")
+
+T = TypeVar("T")
+
+#: How much longer than OPERATION_TIMEOUT_MS the client waits for a reply: the
+#: server's own statement_timeout answers first (and keeps the connection usable).
+REPLY_MARGIN_S = 1.0
+
+
+class _PerThread(threading.local):
+    connection: BaseDatabaseWrapper | None = None
+    #: The cursor reused by every direct operation of this thread, and the driver
+    #: connection it belongs to (a reconnect makes a new one).
+    cursor: Any = None
+    cursor_of: Any = None
+
+
+class PrivateConnections:
+    """The private connections of one backend to the ``DATABASES`` alias ``database``.
+
+    ``vendor`` is the vendor's operations class: it sets the driver options and says
+    whether the database is across a network and takes a direct cursor.
+    """
+
+    def __init__(
+        self,
+        database: str,
+        vendor: type[DatabaseOperations],
+        *,
+        connect_timeout_ms: int,
+        operation_timeout_ms: int,
+    ) -> None:
+        self.database = database
+        self.vendor = vendor
+        self.connect_timeout_ms = connect_timeout_ms
+        self.operation_timeout_ms = operation_timeout_ms
+        self._local = _PerThread()
+        # Open private connections, weakly: a thread's connection is closed when the
+        # thread object goes away (see connection()), and must not be kept alive here.
+        self._open: weakref.WeakSet[BaseDatabaseWrapper] = weakref.WeakSet()
+
+    def connection(self) -> BaseDatabaseWrapper:
+        """This thread's private connection (created on first use, not yet opened)."""
+        wrapper = self._local.connection
+        if wrapper is None:
+            source = connections[self.database]
+            wrapper = type(source)(self._private_settings(source.settings_dict), self.database)
+            if self.vendor.over_network:
+                bound_replies(wrapper, self.operation_timeout_ms / 1000 + REPLY_MARGIN_S)
+            self._local.connection = wrapper
+            self._open.add(wrapper)
+            # Thread-per-request servers start and end threads all the time: close a
+            # thread's connection once its thread is gone, rather than leak it.
+            weakref.finalize(threading.current_thread(), close_quietly, wrapper)
+        return wrapper
+
+    def _private_settings(self, settings_dict: Mapping[str, Any]) -> dict[str, Any]:
+        """The alias's settings with our timeouts; autocommit, no request atomicity."""
+        private = copy.deepcopy(dict(settings_dict))
+        private["AUTOCOMMIT"] = True
+        private["ATOMIC_REQUESTS"] = False
+        private["CONN_MAX_AGE"] = None  # ours to keep; closed by close() or on errors
+        private["CONN_HEALTH_CHECKS"] = False
+        self.vendor.connection_options(
+            private.setdefault("OPTIONS", {}),
+            connect_timeout_ms=self.connect_timeout_ms,
+            operation_timeout_ms=self.operation_timeout_ms,
+        )
+        return private
+
+    def close(self) -> None:
+        """Close every private connection opened here, in any thread."""
+        for wrapper in list(self._open):
+            close_quietly(wrapper)
+        self._open = weakref.WeakSet()
+        self._local = _PerThread()
+
+    def run(self, work: Callable[[Any], T]) -> T:
+        """Run ``work(cursor)`` on this thread's connection, mapping driver errors."""
+        wrapper = self.connection()
+        if wrapper.connection is not None and self.vendor.over_network:
+            self._reconnect_if_gone(wrapper)
+        try:
+            if self.direct(wrapper):
+                return work(self._direct_cursor(wrapper))
+            with wrapper.cursor() as cursor:
+                return work(cursor)
+        except (DjangoDatabaseError, cast(Any, wrapper).Database.Error) as exc:
+            error = map_database_error(exc, self.database)
+            if isinstance(error, ServiceUnavailable | NetworkTimeout | Internal):
+                # Reconnect on the next call: the connection may be broken or stuck.
+                close_quietly(wrapper)
+            raise error from exc
+
+    def _reconnect_if_gone(self, wrapper: BaseDatabaseWrapper) -> None:
+        """Close this thread's idle connection if the server or a proxy has ended it
+        (a restart, a pooler or the network reset it): the call then opens a new one
+        instead of failing on the dead one. Nothing was in flight, so nothing is
+        lost. A connection that died silently is left to the timeouts."""
+        if idle_connection_is_gone(wrapper.connection):
+            logger.info(
+                "Database %r: the server ended an idle connection; reconnecting.", self.database
+            )
+            close_quietly(wrapper)
+
+    def _direct_cursor(self, wrapper: BaseDatabaseWrapper) -> Any:
+        """This thread's reusable cursor on the psycopg connection Django opened.
+
+        Neither Django's cursor wrapper nor a new cursor per operation: each costs
+        client CPU on every call (wrapping, copying the adapters map). Parameters are
+        bound by the server (extended protocol, unnamed statement): no quoting in
+        Python, still one round trip, and nothing that outlives the statement, so
+        transaction pooling stays safe. Named prepared statements are used only if
+        the alias's OPTIONS ask for them (``prepare_threshold``).
+        """
+        if wrapper.connection is None:
+            wrapper.ensure_connection()
+        raw = wrapper.connection
+        local = self._local
+        if local.cursor_of is not raw or local.cursor.closed:
+            local.cursor = server_binding_cursor(raw)
+            local.cursor_of = raw
+        return local.cursor
+
+    def direct(self, wrapper: BaseDatabaseWrapper) -> bool:
+        """Bypass Django's cursor on PostgreSQL unless something watches the queries
+        (DEBUG logging, ``CaptureQueriesContext``, execute wrappers of APM tools)."""
+        return (
+            self.vendor.direct_cursor
+            and not wrapper.queries_logged
+            and not wrapper.execute_wrappers
+        )
+
+
+def bound_replies(wrapper: BaseDatabaseWrapper, timeout_s: float) -> None:
+    """Make each wait for the server on ``wrapper``'s psycopg connections end after
+    ``timeout_s``: a server, pooler or network path that accepts bytes and never
+    answers must not hang a lock call. ``statement_timeout`` needs a server that
+    runs the statement, and ``tcp_user_timeout`` and keepalives a peer that stops
+    acknowledging. psycopg 3.2+ bounds ``Connection.wait`` (raising "wait timeout
+    expired", a ``NetworkTimeout``; ``run`` then closes the connection); with other
+    drivers nothing changes."""
+    new_connection = wrapper.get_new_connection
+
+    def get_new_connection(conn_params: Any) -> Any:
+        raw = new_connection(conn_params)
+        wait = getattr(raw, "wait", None)
+        if wait is not None and {"interval", "timeout"} <= set(signature(wait).parameters):
+            raw.wait = partial(wait, timeout=timeout_s)
+        return raw
+
+    wrapper.get_new_connection = get_new_connection  # type: ignore[method-assign]
+
+
+#: First bytes that can wait on an idle connection of ours once the server or a proxy
+#: has ended it: end of file; a PostgreSQL ErrorResponse ("E": the FATAL message a
+#: server sends before closing); a TLS alert record (0x15: close_notify). Anything
+#: else (a notice, a parameter status, encrypted TLS data) leaves it in use.
+_GONE_MARKS = (b"", b"E", b"\x15")
+
+
+def idle_connection_is_gone(raw: Any) -> bool:
+    """True when the server or a proxy has ended the idle driver connection ``raw``.
+
+    Every call reads its reply to the end, so an idle connection has nothing to read
+    unless the other side spoke since: a poll without waiting (about a microsecond)
+    decides the common case, and only then is the first byte peeked at, on a copy of
+    the file descriptor (the driver keeps its own).
+    """
+    try:
+        fd = raw.fileno()
+    except Exception:  # closed, or broken beyond telling
+        return True
+    if hasattr(select, "poll"):
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        if not poller.poll(0):
+            return False
+    elif not select.select([fd], [], [], 0)[0]:  # Windows: no poll()
+        return False
+    try:
+        with socket.socket(fileno=os.dup(fd)) as sock:
+            head = sock.recv(1, socket.MSG_PEEK | getattr(socket, "MSG_DONTWAIT", 0))
+    except BlockingIOError:
+        return False
+    except OSError:  # reset by the peer
+        return True
+    return head in _GONE_MARKS
+
+
+def server_binding_cursor(raw: Any) -> Any:
+    """A cursor binding parameters on the server (psycopg 3), else the driver's own."""
+    module = type(raw).__module__.partition(".")[0]
+    if module == "psycopg":
+        import psycopg
+
+        return psycopg.Cursor(raw)
+    return raw.cursor()
+
+
+def close_quietly(wrapper: BaseDatabaseWrapper) -> None:
+    """Close a private connection from any thread (Django refuses cross-thread close
+    unless sharing is allowed), ignoring errors of an already broken connection."""
+    with suppress(Exception):
+        wrapper.inc_thread_sharing()
+    with suppress(Exception):
+        wrapper.close()

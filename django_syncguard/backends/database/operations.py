@@ -1,0 +1,174 @@
+"""The operations object: what the database backend asks of a vendor.
+
+As Django's ``connection.ops`` does for the ORM, one object per vendor holds the SQL
+of every lock operation, and its class holds the facts the backend reports (its
+name, whose clock counts) and how a private connection to it is set up. The backend
+class picks one when it is built and has no vendor branches of its own.
+
+An operations object runs its statements through ``run``, which hands it a cursor of
+the calling thread's private connection and turns driver errors into ``LockError``
+(``connections.py``). It returns plain values (statuses, rows); the backend turns
+them into results. ``postgresql.py`` and ``sqlite.py`` are the two vendors.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar, NamedTuple, Protocol, TypeAlias, TypeVar, cast
+
+from ...liveness import Clock, system_clock_ms
+from ...results import TimeAuthority
+
+T = TypeVar("T")
+
+#: A lock row as the driver returns it: the columns of ``LOCK_COLUMNS``, in order.
+Row: TypeAlias = Sequence[Any]
+
+#: What an acquire did, as ``syncguard_acquire`` (migration 0002) and the SQLite
+#: path both report it.
+LOCKED, ACQUIRED, FENCE_OVERFLOW = 0, 1, 2
+
+#: ``(status, fence, expires_at_ms)`` of an acquire; the fence (an int) and the expiry
+#: are the new lock's when the status is ACQUIRED, else None.
+AcquireReply: TypeAlias = tuple[int, Any, Any]
+
+LOCK_COLUMNS = "key, lock_id, expires_at_ms, acquired_at_ms, fence, user_key"
+
+# Housekeeping (admin inspector, syncguard_cleanup), the same SQL on every vendor.
+# One page of live locks in key order (keyset pagination on the primary key index, so
+# a page costs the same at the start and deep into 100,000 locks). The prefix test is
+# an exact substring comparison: LIKE would need escaping and, on SQLite, ignores case.
+LIST_PAGE = (
+    f"SELECT {LOCK_COLUMNS} FROM syncguard_locks "
+    "WHERE key > %s AND expires_at_ms > %s "
+    "AND (substr(key, 1, %s) = %s OR substr(user_key, 1, %s) = %s) "
+    "ORDER BY key LIMIT %s"
+)
+COUNT_EXPIRED = "SELECT count(*) FROM syncguard_locks WHERE expires_at_ms < %s"
+
+
+class Runner(Protocol):
+    """Runs ``work(cursor)`` on the calling thread's private connection."""
+
+    def __call__(self, work: Callable[[Any], T], /) -> T: ...
+
+
+class StorageKeys(NamedTuple):
+    """Where one user key's lock and fence counter are stored."""
+
+    #: Primary key of the lock row.
+    storage_key: str
+    #: Primary key of the fence counter row.
+    fence_key: str
+    #: The user key, stored beside the row only when it differs from ``storage_key``.
+    user_key: str | None
+
+
+class DatabaseOperations(ABC):
+    """One vendor's SQL and facts; see the module docstring.
+
+    The class-level facts below are those of no vendor in particular: the backend
+    reports them only while it has not yet picked its vendor.
+    """
+
+    #: ``connection.vendor`` of the Django databases this class serves.
+    vendor: ClassVar[str] = ""
+    #: What ``capabilities.backend`` reports.
+    backend_name: ClassVar[str] = "database"
+    #: Whose clock decides liveness: the server's, or this machine's.
+    time_authority: ClassVar[TimeAuthority] = "server"
+    #: The database is a server across a network: bound every wait for a reply, and
+    #: poll an idle connection before sending on it (the server may have ended it).
+    over_network: ClassVar[bool] = False
+    #: Send statements on the driver's own cursor, reused, when nothing watches the
+    #: queries (parameters bound by the server: no quoting in Python).
+    direct_cursor: ClassVar[bool] = False
+
+    def __init__(self, run: Runner, clock: Clock = system_clock_ms) -> None:
+        self.run = run
+        #: This machine's clock, for a vendor whose time authority is the client.
+        self.clock = clock
+
+    @classmethod
+    @abstractmethod
+    def connection_options(
+        cls, options: dict[str, Any], *, connect_timeout_ms: int, operation_timeout_ms: int
+    ) -> None:
+        """Set the driver ``OPTIONS`` of a private connection: our timeouts."""
+
+    def storable(self, key: str) -> str:
+        """``key`` if this vendor can store it, else ``InvalidArgument`` (no I/O)."""
+        return key
+
+    @abstractmethod
+    def now_ms(self) -> int:
+        """The time authority's clock, now, in Unix milliseconds."""
+
+    @abstractmethod
+    def acquire(
+        self, keys: StorageKeys, lock_id: str, ttl_ms: int, check_cancel: Callable[[], None]
+    ) -> AcquireReply:
+        """Take the lock if no live one holds it (see ``AcquireReply``). ``check_cancel``
+        raises ``Aborted`` when the caller cancelled; a vendor calls it where it can
+        still back out without writing."""
+
+    @abstractmethod
+    def release(self, lock_id: str) -> tuple[bool, bool]:
+        """Delete the live lock ``lock_id``: ``(deleted, a record of it exists)``."""
+
+    @abstractmethod
+    def extend(self, lock_id: str, ttl_ms: int) -> tuple[int | None, bool]:
+        """Move the live lock's expiry to now + ``ttl_ms``: ``(new expiry or None, a
+        record of it exists)``."""
+
+    @abstractmethod
+    def is_locked(self, storage_key: str, sweep_guard_ms: int | None) -> bool:
+        """Whether a live lock holds the key. With ``sweep_guard_ms``, also delete the
+        key's record when it expired longer ago than that (the answer is unchanged)."""
+
+    @abstractmethod
+    def lookup(self, column: str, value: str) -> Row | None:
+        """The live lock row whose ``column`` (``key`` or ``lock_id``) is ``value``."""
+
+    @abstractmethod
+    def delete_expired_batch(self, batch_size: int, guard_ms: int) -> int:
+        """Delete up to ``batch_size`` records expired more than ``guard_ms`` ago;
+        return how many went."""
+
+    def list_page(self, after: str, live_after: int, prefix: str, limit: int) -> list[Row]:
+        """Up to ``limit`` rows with a key after ``after`` (in key order), expiring after
+        ``live_after``, whose storage or user key starts with ``prefix``."""
+        size = len(prefix)
+        params = [after, live_after, size, prefix, size, prefix, limit]
+        return self.run(lambda c: fetch_all(c, LIST_PAGE, params))
+
+    def count_expired(self, cutoff: int) -> int:
+        """How many records expired before ``cutoff``."""
+        return int(self.run(lambda c: fetch_value(c, COUNT_EXPIRED, [cutoff])))
+
+
+def fetch_all(cursor: Any, sql: str, params: list[Any]) -> list[Row]:
+    cursor.execute(sql, params)
+    return list(cursor.fetchall())
+
+
+def row_count(cursor: Any, sql: str, params: list[Any]) -> int:
+    cursor.execute(sql, params)
+    return int(cursor.rowcount)
+
+
+def fetch_row(cursor: Any, sql: str, params: list[Any]) -> Row | None:
+    cursor.execute(sql, params)
+    return cast("Row | None", cursor.fetchone())
+
+
+def fetch_one(cursor: Any, sql: str, params: list[Any]) -> Row:
+    """The row of a statement that always returns one (a call of our functions)."""
+    cursor.execute(sql, params)
+    return cast(Row, cursor.fetchone())
+
+
+def fetch_value(cursor: Any, sql: str, params: list[Any]) -> Any:
+    row = fetch_row(cursor, sql, params)
+    return None if row is None else row[0]

@@ -1,0 +1,173 @@
+"""SQLite: the embedded database for development; time is this machine's clock.
+
+Every process of an SQLite database runs on one machine, so they share that clock.
+Writers are serialised by SQLite's database lock, which ``BEGIN IMMEDIATE`` takes up
+front for the multi-statement acquire; release and extend are single ``DELETE`` /
+``UPDATE ... RETURNING`` statements (SQLite 3.35 or newer). See
+``specs/backends/database.md``, Operations on SQLite.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import suppress
+from typing import Any, ClassVar
+
+from ...constants import TIME_TOLERANCE_MS
+from ...fencing import FENCE_MAX, format_fence
+from ...liveness import is_live
+from ...results import TimeAuthority
+from .operations import (
+    ACQUIRED,
+    FENCE_OVERFLOW,
+    LOCK_COLUMNS,
+    LOCKED,
+    AcquireReply,
+    DatabaseOperations,
+    Row,
+    StorageKeys,
+    fetch_row,
+    fetch_value,
+    row_count,
+)
+
+SELECT_LOCK = "SELECT expires_at_ms FROM syncguard_locks WHERE key = %s"
+SELECT_FENCE = "SELECT fence FROM syncguard_fence_counters WHERE fence_key = %s"
+UPSERT_LOCK = (
+    f"INSERT INTO syncguard_locks ({LOCK_COLUMNS}) VALUES (%s, %s, %s, %s, %s, %s) "
+    "ON CONFLICT (key) DO UPDATE SET lock_id = excluded.lock_id, "
+    "expires_at_ms = excluded.expires_at_ms, acquired_at_ms = excluded.acquired_at_ms, "
+    "fence = excluded.fence, user_key = excluded.user_key"
+)
+UPSERT_FENCE = (
+    "INSERT INTO syncguard_fence_counters (fence_key, fence) VALUES (%s, %s) "
+    "ON CONFLICT (fence_key) DO UPDATE SET fence = excluded.fence"
+)
+RELEASE = "DELETE FROM syncguard_locks WHERE lock_id = %s AND expires_at_ms > %s RETURNING 1"
+EXTEND = (
+    "UPDATE syncguard_locks SET expires_at_ms = %s "
+    "WHERE lock_id = %s AND expires_at_ms > %s RETURNING expires_at_ms"
+)
+EXISTS_ID = "SELECT 1 FROM syncguard_locks WHERE lock_id = %s"
+SWEEP_KEY = "DELETE FROM syncguard_locks WHERE key = %s AND expires_at_ms < %s"
+LOOKUP = f"SELECT {LOCK_COLUMNS} FROM syncguard_locks WHERE {{column}} = %s"
+
+# One batch of cleanup. The statement holds the database lock, and acquire reads and
+# writes inside one BEGIN IMMEDIATE transaction, so the two never interleave.
+DELETE_EXPIRED = (
+    "DELETE FROM syncguard_locks WHERE key IN (SELECT key FROM syncguard_locks "
+    "WHERE expires_at_ms < %s ORDER BY expires_at_ms LIMIT %s) AND expires_at_ms < %s"
+)
+
+
+class SqliteOperations(DatabaseOperations):
+    """SQLite through the standard library's sqlite3; see the module docstring."""
+
+    vendor: ClassVar[str] = "sqlite"
+    backend_name: ClassVar[str] = "sqlite"
+    time_authority: ClassVar[TimeAuthority] = "client"
+
+    @classmethod
+    def connection_options(
+        cls, options: dict[str, Any], *, connect_timeout_ms: int, operation_timeout_ms: int
+    ) -> None:
+        options["timeout"] = operation_timeout_ms / 1000  # SQLite busy timeout
+
+    def now_ms(self) -> int:
+        return self.clock()
+
+    def acquire(
+        self, keys: StorageKeys, lock_id: str, ttl_ms: int, check_cancel: Callable[[], None]
+    ) -> AcquireReply:
+        return self.run(lambda c: self._acquire(c, keys, lock_id, ttl_ms, check_cancel))
+
+    def _acquire(
+        self,
+        cursor: Any,
+        keys: StorageKeys,
+        lock_id: str,
+        ttl_ms: int,
+        check_cancel: Callable[[], None],
+    ) -> AcquireReply:
+        """Acquire in one transaction that holds the database lock from its start, so
+        no other writer runs between the reads and the writes."""
+        cursor.execute("BEGIN IMMEDIATE")
+        try:
+            reply = self._read_then_write(cursor, keys, lock_id, ttl_ms, check_cancel)
+            cursor.execute("COMMIT" if reply[0] == ACQUIRED else "ROLLBACK")
+            return reply
+        except BaseException:
+            with suppress(Exception):
+                cursor.execute("ROLLBACK")
+            raise
+
+    def _read_then_write(
+        self,
+        cursor: Any,
+        keys: StorageKeys,
+        lock_id: str,
+        ttl_ms: int,
+        check_cancel: Callable[[], None],
+    ) -> AcquireReply:
+        now = self.clock()
+        current = fetch_value(cursor, SELECT_LOCK, [keys.storage_key])
+        if current is not None and is_live(int(current), now, TIME_TOLERANCE_MS):
+            return LOCKED, None, None
+        fence = int(fetch_value(cursor, SELECT_FENCE, [keys.fence_key]) or 0) + 1
+        if fence > FENCE_MAX:
+            return FENCE_OVERFLOW, None, None
+        check_cancel()  # after the reads, before the writes
+        cursor.execute(
+            UPSERT_LOCK,
+            [keys.storage_key, lock_id, now + ttl_ms, now, format_fence(fence), keys.user_key],
+        )
+        cursor.execute(UPSERT_FENCE, [keys.fence_key, fence])
+        return ACQUIRED, fence, now + ttl_ms
+
+    def release(self, lock_id: str) -> tuple[bool, bool]:
+        now = self.clock()
+
+        def release(cursor: Any) -> tuple[bool, bool]:
+            cursor.execute(RELEASE, [lock_id, now - TIME_TOLERANCE_MS])
+            if cursor.fetchone() is not None:
+                return True, True
+            return False, fetch_value(cursor, EXISTS_ID, [lock_id]) is not None
+
+        return self.run(release)
+
+    def extend(self, lock_id: str, ttl_ms: int) -> tuple[int | None, bool]:
+        now = self.clock()
+
+        def extend(cursor: Any) -> tuple[int | None, bool]:
+            cursor.execute(EXTEND, [now + ttl_ms, lock_id, now - TIME_TOLERANCE_MS])
+            row = cursor.fetchone()
+            if row is not None:
+                return int(row[0]), True
+            return None, fetch_value(cursor, EXISTS_ID, [lock_id]) is not None
+
+        return self.run(extend)
+
+    def is_locked(self, storage_key: str, sweep_guard_ms: int | None) -> bool:
+        now = self.clock()
+
+        def is_locked(cursor: Any) -> bool:
+            expires = fetch_value(cursor, SELECT_LOCK, [storage_key])
+            if expires is None:
+                return False
+            if sweep_guard_ms is not None and int(expires) < now - sweep_guard_ms:
+                cursor.execute(SWEEP_KEY, [storage_key, now - sweep_guard_ms])
+            return is_live(int(expires), now, TIME_TOLERANCE_MS)
+
+        return self.run(is_locked)
+
+    def lookup(self, column: str, value: str) -> Row | None:
+        now = self.clock()
+        row = self.run(lambda c: fetch_row(c, LOOKUP.format(column=column), [value]))
+        if row is not None and not is_live(int(row[2]), now, TIME_TOLERANCE_MS):
+            return None
+        return row
+
+    def delete_expired_batch(self, batch_size: int, guard_ms: int) -> int:
+        cutoff = self.clock() - guard_ms
+        params = [cutoff, batch_size, cutoff]
+        return self.run(lambda c: row_count(c, DELETE_EXPIRED, params))

@@ -1,0 +1,124 @@
+"""Which database the locks live in: ``OPTIONS["DATABASE"]``, judged without I/O.
+
+The option names an alias of ``DATABASES`` (default ``"default"``) whose vendor has
+an operations class. :func:`resolve` is the one judgement of that; the backend's
+constructor raises its problem as ``InvalidArgument``, and
+``DatabaseBackend.check_settings`` reports it as the system check ``syncguard.E004``
+or ``syncguard.E005`` before anything is built (see ``checks.py`` for the table of
+check ids).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from django.core import checks
+from django.core.exceptions import ImproperlyConfigured
+from django.db import DEFAULT_DB_ALIAS, connections
+from django.db.utils import load_backend
+
+from .operations import DatabaseOperations
+from .postgresql import PostgresOperations
+from .sqlite import SqliteOperations
+
+E004 = (
+    "Lock backend {alias!r}: DATABASES[{database!r}] is a {vendor!r} database, which the "
+    "database backend does not support (supported: {supported})."
+)
+E004_HINT = (
+    "Point OPTIONS['DATABASE'] at a PostgreSQL or SQLite alias of DATABASES, or use the "
+    "Redis or Firestore backend."
+)
+E005 = (
+    "Lock backend {alias!r}: OPTIONS['DATABASE'] = {database!r} is not an alias of "
+    "DATABASES (configured: {configured})."
+)
+
+#: The operations class of each supported vendor, by ``connection.vendor``.
+OPERATIONS: dict[str, type[DatabaseOperations]] = {
+    ops.vendor: ops for ops in (PostgresOperations, SqliteOperations)
+}
+SUPPORTED_VENDORS = tuple(OPERATIONS)
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """The ``DATABASES`` alias the locks live in, and its vendor's operations class."""
+
+    database: str
+    operations: type[DatabaseOperations]
+
+
+@dataclass(frozen=True, slots=True)
+class Problem:
+    """What is wrong with ``OPTIONS["DATABASE"]``, said twice: ``message`` for the
+    constructor's ``InvalidArgument``, ``check_msg`` (and ``hint``) for the system
+    check ``check_id``. Without a ``check_id`` the check leaves it to construction,
+    which it reports as ``syncguard.E003``."""
+
+    message: str
+    check_id: str | None = None
+    check_msg: str = ""
+    hint: str | None = None
+
+
+def resolve(alias: str, options: Mapping[str, Any]) -> Target | Problem:
+    """Where the lock backend ``alias`` with these ``OPTIONS`` keeps its locks, or why
+    it cannot. Reads the settings only: no connection object, no I/O. Raises
+    ``ImproperlyConfigured`` when the alias's database ``ENGINE`` cannot be loaded."""
+    database = options.get("DATABASE", DEFAULT_DB_ALIAS)
+    if not isinstance(database, str) or not database:
+        return Problem("OPTIONS['DATABASE'] must name an alias of DATABASES.")
+    if database not in connections.settings:
+        return _not_an_alias(alias, database)
+    vendor = load_backend(connections.settings[database]["ENGINE"]).DatabaseWrapper.vendor
+    if vendor not in OPERATIONS:
+        return _unsupported(alias, database, vendor)
+    return Target(database, OPERATIONS[vendor])
+
+
+def check_errors(alias: str, params: Mapping[str, Any]) -> list[checks.CheckMessage]:
+    """The system-check errors :func:`resolve` finds in the ``SYNCGUARD_BACKENDS``
+    entry ``params``. A malformed entry or an unloadable ``ENGINE`` is left to
+    construction, whose error says more."""
+    options = params.get("OPTIONS") or {}
+    if not isinstance(options, Mapping):
+        return []
+    try:
+        target = resolve(alias, options)
+    except ImproperlyConfigured:
+        return []
+    if isinstance(target, Target) or target.check_id is None:
+        return []
+    return [checks.Error(target.check_msg, hint=target.hint, id=target.check_id)]
+
+
+def _not_an_alias(alias: str, database: str) -> Problem:
+    configured = list(connections.settings)
+    return Problem(
+        f"OPTIONS['DATABASE'] = {database!r} is not an alias of DATABASES "
+        f"(configured: {', '.join(configured)}).",
+        check_id="syncguard.E005",
+        check_msg=E005.format(
+            alias=alias,
+            database=database,
+            configured=", ".join(repr(a) for a in configured) or "none",
+        ),
+    )
+
+
+def _unsupported(alias: str, database: str, vendor: str) -> Problem:
+    return Problem(
+        f"The database backend supports PostgreSQL and SQLite; DATABASES[{database!r}] "
+        f"is {vendor}. Use the Redis or Firestore backend instead.",
+        check_id="syncguard.E004",
+        check_msg=E004.format(
+            alias=alias,
+            database=database,
+            vendor=vendor,
+            supported=", ".join(SUPPORTED_VENDORS),
+        ),
+        hint=E004_HINT,
+    )
