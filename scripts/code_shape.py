@@ -61,7 +61,8 @@ def main(package: Path) -> None:
                     for t in targets
                     if t.startswith(package.name)
                 ]
-                (typing_only if id(node) in hidden else graph)[module].update(ours)
+                if ours:
+                    (typing_only if id(node) in hidden else graph)[module].update(ours)
     print("## longest files")
     for lines, name in sorted(files, reverse=True)[:10]:
         print(f"{lines:5d}  {name}")
