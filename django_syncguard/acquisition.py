@@ -19,14 +19,7 @@ from typing import Any, TypedDict
 
 from . import signals
 from .cancellation import CancelToken, validate_cancel
-from .constants import (
-    DEFAULT_BACKOFF,
-    DEFAULT_JITTER,
-    DEFAULT_MAX_RETRIES,
-    DEFAULT_RETRY_DELAY_MS,
-    DEFAULT_TIMEOUT_MS,
-    DEFAULT_TTL_MS,
-)
+from .constants import DEFAULT_TTL_MS
 from .contract import LockBackend
 from .errors import InvalidArgument
 from .handler import resolve_backend
@@ -43,10 +36,12 @@ ReleaseErrorHandler = Callable[[BaseException, dict[str, str]], Any]
 
 
 class LockOptions(TypedDict, total=False):
-    """The acquisition options of ``locked``, ``lock()`` and ``alock()``.
+    """The acquisition options of ``locked``, ``lock()`` and ``alock()``: the one list.
 
-    Their defaults and validation are :class:`LockSpec`'s fields (a test keeps the
-    two lists equal). See ``specs/contract.md`` (Helpers) for what each one does.
+    Each default and check lives once, with the value that holds the option: the
+    retry options in :class:`~django_syncguard.retry.RetryPolicy`, the others in
+    :class:`LockSpec` (a test keeps both in step with this list). See
+    ``specs/contract.md`` (Helpers) for what each one does.
     """
 
     using: str | LockBackend
@@ -63,20 +58,14 @@ class LockOptions(TypedDict, total=False):
 
 @dataclass(frozen=True)
 class LockSpec:
-    """Validated :class:`LockOptions` with their defaults; reads no settings."""
+    """Validated :class:`LockOptions`; reads no settings."""
 
     using: str | LockBackend = "default"
     ttl_ms: int = DEFAULT_TTL_MS
-    max_retries: int = DEFAULT_MAX_RETRIES
-    retry_delay_ms: float = DEFAULT_RETRY_DELAY_MS
-    timeout_ms: float = DEFAULT_TIMEOUT_MS
-    backoff: Backoff = DEFAULT_BACKOFF
-    jitter: Jitter = DEFAULT_JITTER
+    policy: RetryPolicy = field(default_factory=RetryPolicy)
     cancel: CancelToken | None = None
     on_release_error: ReleaseErrorHandler | None = None
     auto_extend: bool = False
-    #: The retry options as the retry loop takes them.
-    policy: RetryPolicy = field(init=False, repr=False, compare=False)
 
     @classmethod
     def from_options(cls, caller: str, options: Mapping[str, Any]) -> LockSpec:
@@ -88,13 +77,11 @@ class LockSpec:
                 f"{caller}() got unknown option(s) {', '.join(sorted(unknown))}; "
                 f"the options are {', '.join(sorted(OPTION_NAMES))}."
             )
-        return cls(**options)
+        retry = {name: options[name] for name in RETRY_OPTIONS if name in options}
+        rest = {name: value for name, value in options.items() if name not in RETRY_OPTIONS}
+        return cls(policy=RetryPolicy(**retry), **rest)
 
     def __post_init__(self) -> None:
-        policy = RetryPolicy(
-            self.max_retries, self.retry_delay_ms, self.timeout_ms, self.backoff, self.jitter
-        )
-        object.__setattr__(self, "policy", policy)
         validate_ttl(self.ttl_ms)
         validate_cancel(self.cancel)
         if not isinstance(self.using, str) and not callable(getattr(self.using, "acquire", None)):
@@ -177,8 +164,9 @@ class LockSpec:
             logger.exception("on_release_error raised; ignored.")
 
 
-#: The option names, from the fields of :class:`LockSpec` that ``__init__`` takes.
-OPTION_NAMES = frozenset(f.name for f in fields(LockSpec) if f.init)
+#: The option names, and those of them that :class:`RetryPolicy` holds.
+OPTION_NAMES = frozenset(LockOptions.__annotations__)
+RETRY_OPTIONS = frozenset(f.name for f in fields(RetryPolicy))
 
 
 class _Attempts:

@@ -147,10 +147,10 @@ def check_alias(
 
 
 def _construction_error(alias: str, exc: Exception) -> checks.CheckMessage:
-    """E003 when the backend refused its settings, E002 when it could not be loaded."""
-    cause = exc if isinstance(exc, LockError) else exc.__cause__
-    if isinstance(cause, LockError):
-        return checks.Error(E003.format(alias=alias, error=cause), id="syncguard.E003")
+    """E003 when the backend refused its settings (a ``LockError``), E002 when it
+    could not be loaded (``InvalidBackendError``, e.g. its pip extra is missing)."""
+    if isinstance(exc, LockError):
+        return checks.Error(E003.format(alias=alias, error=exc), id="syncguard.E003")
     return checks.Error(E002.format(alias=alias, error=exc), id="syncguard.E002")
 
 

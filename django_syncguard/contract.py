@@ -23,31 +23,6 @@ from .results import (
     ReleaseResult,
 )
 
-#: The operations a class must define to be configured as a ``BACKEND``.
-OPERATIONS: Final = (
-    "acquire",
-    "aacquire",
-    "release",
-    "arelease",
-    "extend",
-    "aextend",
-    "is_locked",
-    "ais_locked",
-    "lookup",
-    "alookup",
-    "lookup_raw",
-    "alookup_raw",
-    "list_locks",
-    "alist_locks",
-    "delete_expired",
-    "force_release",
-    "aforce_release",
-    "check_settings",
-    "check",
-    "deploy_check",
-    "close",
-)
-
 
 def missing_operations(backend_cls: type) -> list[str]:
     """The contract operations ``backend_cls`` does not define (empty when it fits)."""
@@ -153,3 +128,12 @@ class LockBackend(Protocol):
     def deploy_check(self) -> list[Any]: ...
 
     def close(self, **kwargs: Any) -> None: ...
+
+
+#: The operations a class must define to be configured as a ``BACKEND``: the
+#: protocol's methods (its properties are facts a backend may compute).
+OPERATIONS: Final = tuple(
+    name
+    for name, value in vars(LockBackend).items()
+    if not name.startswith("_") and not isinstance(value, property)
+)

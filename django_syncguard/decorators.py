@@ -50,14 +50,6 @@ class locked:  # noqa: N801 - used like a function, as contextlib's helpers are
         self.template = KeyTemplate(key_template)
         self.spec = LockSpec.from_options("locked", options)
 
-    @classmethod
-    def for_key(cls, key: str, caller: str, options: LockOptions) -> locked:
-        """A ``locked`` on the finished ``key`` (no placeholders), for ``lock()``."""
-        self = cls.__new__(cls)
-        self.template = KeyTemplate(key, literal=True)
-        self.spec = LockSpec.from_options(caller, options)
-        return self
-
     def __repr__(self) -> str:
         return f"locked({self.template.template!r})"
 

@@ -26,7 +26,7 @@ original (``raise ... from exc``; also kept as ``context["cause"]``).
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Final, Literal
+from typing import Any, ClassVar, Final, Literal, get_args
 
 ErrorCode = Literal[
     "ServiceUnavailable",
@@ -39,16 +39,7 @@ ErrorCode = Literal[
     "Internal",
 ]
 
-ERROR_CODES: Final[tuple[str, ...]] = (
-    "ServiceUnavailable",
-    "AuthFailed",
-    "InvalidArgument",
-    "RateLimited",
-    "NetworkTimeout",
-    "AcquisitionTimeout",
-    "Aborted",
-    "Internal",
-)
+ERROR_CODES: Final[tuple[str, ...]] = get_args(ErrorCode)
 
 
 class SyncGuardError(Exception):
@@ -109,7 +100,12 @@ class _CodedError(LockError):
     fixed_code: ClassVar[str]
 
     def __init__(self, message: str | None = None, context: dict[str, Any] | None = None) -> None:
-        super().__init__(self.fixed_code, message, context)
+        code = getattr(type(self), "fixed_code", None)
+        if code is None:
+            raise TypeError(
+                f"{type(self).__name__} is a base to catch; raise one of its subclasses."
+            )
+        super().__init__(code, message, context)
 
 
 class TransientError(_CodedError):
@@ -164,19 +160,17 @@ class Internal(_CodedError):
     fixed_code = "Internal"
 
 
-_BY_CODE: Final[dict[str, type[_CodedError]]] = {
-    cls.fixed_code: cls
-    for cls in (
-        ServiceUnavailable,
-        AuthFailed,
-        InvalidArgument,
-        RateLimited,
-        NetworkTimeout,
-        AcquisitionTimeout,
-        Aborted,
-        Internal,
-    )
-}
+def _coded(base: type[_CodedError]) -> dict[str, type[_CodedError]]:
+    """The subclasses of ``base`` that fix a code, by code."""
+    found: dict[str, type[_CodedError]] = {}
+    for cls in base.__subclasses__():
+        if "fixed_code" in vars(cls):
+            found[cls.fixed_code] = cls
+        found |= _coded(cls)
+    return found
+
+
+_BY_CODE: Final = _coded(_CodedError)
 
 
 class StaleFenceError(SyncGuardError):

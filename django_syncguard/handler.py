@@ -104,7 +104,8 @@ class LockHandler(_HandlerBase):
         if missing:
             raise InvalidBackendError(
                 f"{SETTINGS_NAME}[{alias!r}]['BACKEND'] = {path!r} is not a lock backend "
-                "(a subclass of django_syncguard.backends.base.BaseLockBackend)."
+                "(a class with the operations of django_syncguard.contract.LockBackend, "
+                "such as a subclass of django_syncguard.backends.base.BaseLockBackend)."
                 + _module_hint(path)
             )
         return backend_cls  # type: ignore[no-any-return]
@@ -151,11 +152,14 @@ def _module_hint(path: str) -> str:
         module = importlib.import_module(path)
     except Exception:  # not a module (or a broken one): nothing to add
         return ""
+    # The module's own classes, and those its package re-exports (a backend package
+    # such as backends.database defines its class in a submodule).
+    exported = set(getattr(module, "__all__", ()))
     classes = [
         f"{path}.{name}"
         for name, value in vars(module).items()
         if inspect.isclass(value)
-        and value.__module__ == module.__name__
+        and (value.__module__ == module.__name__ or name in exported)
         and not inspect.isabstract(value)
         and not missing_operations(value)
     ]

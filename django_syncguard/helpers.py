@@ -1,7 +1,8 @@
 """``lock()`` and ``alock()``: run a function while holding a lock.
 
-Both are :class:`~django_syncguard.decorators.locked` on a finished key; they take
-the same options (:class:`~django_syncguard.acquisition.LockOptions`).
+They hold the lock as ``locked`` does, through the same acquisition code, on a
+finished key; they take the same options
+(:class:`~django_syncguard.acquisition.LockOptions`).
 """
 
 from __future__ import annotations
@@ -10,8 +11,7 @@ import inspect
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, TypeVar
 
-from .acquisition import LockOptions
-from .decorators import locked
+from .acquisition import LockOptions, LockSpec
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -28,13 +28,13 @@ def lock(fn: Callable[[], T], *, key: str, **options: Unpack[LockOptions]) -> T:
     ``fn``'s result or exception. ``current_lock()`` is the lease inside ``fn``.
     ``key`` is used as it is: ``<...>`` in it is not a placeholder.
     """
-    with locked.for_key(key, "lock", options):
+    with LockSpec.from_options("lock", options).hold(key):
         return fn()
 
 
 async def alock(fn: Callable[[], Awaitable[T]], *, key: str, **options: Unpack[LockOptions]) -> T:
     """Async twin of :func:`lock`: ``fn`` is a coroutine function (or returns an awaitable)."""
-    async with locked.for_key(key, "alock", options):
+    async with LockSpec.from_options("alock", options).ahold(key):
         outcome = fn()
         if inspect.isawaitable(outcome):
             return await outcome

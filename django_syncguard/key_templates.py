@@ -25,11 +25,7 @@ _HINT = "placeholders are written <name> or <name.attribute>"
 class KeyTemplate:
     """A checked key template; :meth:`render` fills it for one call."""
 
-    def __init__(self, template: str, *, literal: bool = False) -> None:
-        self.placeholders: tuple[str, ...] = ()
-        if literal:  # a finished key, as lock() takes it
-            self.template = normalize_and_validate_key(template)
-            return
+    def __init__(self, template: str) -> None:
         if not isinstance(template, str) or not template:
             raise InvalidArgument("locked() needs a non-empty key template string.")
         _refuse_malformed(template)

@@ -19,6 +19,7 @@ import pytest
 from django.conf import settings
 from django.db import connections
 
+from django_syncguard.backends.base import BaseLockBackend
 from tests.support.harness import (
     HARNESS_DATABASES,
     HARNESS_SERVERS,
@@ -28,11 +29,10 @@ from tests.support.harness import (
     RedisHarness,
 )
 from tests.support.servers import (
-    IN_CI,
     FirestoreEmulator,
     PostgresServer,
     RedisServer,
-    ServerUnavailable,
+    start_or_skip,
 )
 
 Server = TypeVar("Server", PostgresServer, RedisServer, FirestoreEmulator)
@@ -42,13 +42,7 @@ Server = TypeVar("Server", PostgresServer, RedisServer, FirestoreEmulator)
 def running(kind: str, server: Server) -> Iterator[Server]:
     """``server``, started, until the block ends; a failure to start skips the test
     that asked (fails it in CI)."""
-    try:
-        server.start()
-    except ServerUnavailable as exc:
-        server.destroy()
-        if IN_CI:
-            pytest.fail(f"CI is set and {kind} cannot start: {exc}")
-        pytest.skip(f"{kind} unavailable: {exc}")
+    start_or_skip(server, kind)
     try:
         yield server
     finally:
@@ -166,23 +160,9 @@ def no_io(backend, monkeypatch):
     def forbidden(*args, **kwargs):
         raise AssertionError("storage I/O happened before validation failed")
 
-    for name in (
-        "_acquire",
-        "_release",
-        "_extend",
-        "_is_locked",
-        "_lookup_by_key",
-        "_lookup_by_id",
-        "_aacquire",
-        "_arelease",
-        "_aextend",
-        "_ais_locked",
-        "_alookup_by_key",
-        "_alookup_by_id",
-        "_list_locks",
-        "_count_expired",
-        "_delete_expired",
-    ):
+    # The storage hooks, and the async twins of those that have one.
+    hooks = set(BaseLockBackend.__abstractmethods__)
+    for name in sorted(hooks | {f"_a{h[1:]}" for h in hooks if hasattr(backend, f"_a{h[1:]}")}):
         monkeypatch.setattr(backend, name, forbidden)
     return backend
 

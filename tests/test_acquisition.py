@@ -1,4 +1,4 @@
-"""The acquisition options, declared once (``LockOptions`` / ``LockSpec``), and what
+"""The acquisition options, listed once (``LockOptions``), and what
 every entry point (``locked``, ``lock()``, ``alock()``) gets from that."""
 
 from __future__ import annotations
@@ -12,11 +12,14 @@ import pytest
 
 from django_syncguard import AcquisitionTimeout, InvalidArgument, alock, hash_key, lock, locked
 from django_syncguard.acquisition import OPTION_NAMES, LockOptions, LockSpec
+from django_syncguard.retry import RetryPolicy
 
 
-def test_the_options_are_declared_once_and_the_spec_holds_them_all():
-    assert set(get_type_hints(LockOptions)) == OPTION_NAMES
-    assert {f.name for f in fields(LockSpec) if f.init} == OPTION_NAMES
+def test_each_option_has_one_home_the_spec_or_its_retry_policy():
+    spec_fields = {f.name for f in fields(LockSpec)} - {"policy"}
+    retry_fields = {f.name for f in fields(RetryPolicy)}
+    assert not spec_fields & retry_fields
+    assert set(get_type_hints(LockOptions)) == OPTION_NAMES == spec_fields | retry_fields
     assert {
         "using",
         "ttl_ms",

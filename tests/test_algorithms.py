@@ -211,6 +211,12 @@ def test_for_code_builds_the_code_subclass():
 def test_transient_codes_share_a_base():
     transient = [c for c in ERROR_CODES if isinstance(LockError.for_code(c), TransientError)]
     assert transient == ["ServiceUnavailable", "RateLimited", "NetworkTimeout"]
+    with pytest.raises(TypeError, match="TransientError is a base to catch"):
+        TransientError("down")
+
+
+def test_every_code_has_its_subclass():
+    assert [type(LockError.for_code(code)).__name__ for code in ERROR_CODES] == list(ERROR_CODES)
 
 
 def test_subclasses_take_message_first():

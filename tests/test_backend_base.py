@@ -41,4 +41,4 @@ def test_a_misspelled_setting_is_refused_with_a_suggestion():
 def test_key_prefix_is_refused_where_it_means_nothing():
     with pytest.raises(InvalidArgument, match="KEY_PREFIX has no meaning for MemoryBackend"):
         MemoryBackend("m", {"KEY_PREFIX": "syncguard"})
-    assert MemoryBackend("m", {}).key_prefix == "syncguard"
+    assert MemoryBackend("m", {}).key_prefix == ""

@@ -176,17 +176,29 @@ def test_e002_names_the_extra_when_the_backend_module_cannot_be_imported(setting
     assert message.msg.endswith(' Install it with: pip install "django-syncguard[redis]".')
 
 
+@pytest.mark.parametrize(
+    ("module", "suggestion"),
+    [
+        ("django_syncguard.backends.memory", "django_syncguard.backends.memory.MemoryBackend"),
+        (
+            "django_syncguard.backends.database",
+            "django_syncguard.backends.database.DatabaseBackend",
+        ),
+    ],
+)
 @pytest.mark.parametrize("imported", [False, True])
-def test_e002_a_module_named_instead_of_its_class(settings, monkeypatch, imported):
+def test_e002_a_module_named_instead_of_its_class(
+    settings, monkeypatch, module, suggestion, imported
+):
     if not imported:  # import_string then fails to find the module as an attribute
-        monkeypatch.delitem(sys.modules, "django_syncguard.backends.memory")
-        monkeypatch.delattr("django_syncguard.backends.memory", raising=False)
-    settings.SYNCGUARD_BACKENDS = {"default": {"BACKEND": "django_syncguard.backends.memory"}}
+        package, name = module.rsplit(".", 1)
+        monkeypatch.delitem(sys.modules, module)
+        monkeypatch.delattr(sys.modules[package], name)
+    settings.SYNCGUARD_BACKENDS = {"default": {"BACKEND": module}}
     [message] = run()
     assert message.id == "syncguard.E002"
     assert message.msg.endswith(
-        " It names a module; BACKEND names a backend class: "
-        "'django_syncguard.backends.memory.MemoryBackend'."
+        f" It names a module; BACKEND names a backend class: {suggestion!r}."
     )
 
 

@@ -334,7 +334,8 @@ def test_sqlite_acquire_checks_cancel_before_writing(lite):
 
 # ----------------------------------------------------------- configuration
 def test_unsupported_vendor_is_refused():
-    with pytest.raises(InvalidArgument, match="supports PostgreSQL and SQLite"):
+    expected = r"is a 'unknown' database, .* does not support \(supported: postgresql, sqlite\)"
+    with pytest.raises(InvalidArgument, match=expected):
         DatabaseBackend("x", {"OPTIONS": {"DATABASE": "unsupported"}})
 
 

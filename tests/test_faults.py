@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import os
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -59,11 +58,15 @@ from django_syncguard.errors import LockError, NetworkTimeout, ServiceUnavailabl
 from django_syncguard.results import ReleaseResult
 from tests.support.faults import OUTAGE_ERRORS, Outcome, crash_under_traffic
 from tests.support.proxy import FaultProxy
-from tests.support.servers import FirestoreEmulator, PostgresServer, RedisServer, ServerUnavailable
+from tests.support.servers import (
+    FirestoreEmulator,
+    PostgresServer,
+    RedisServer,
+    start_or_skip,
+)
 
 pytestmark = pytest.mark.slow
 
-IN_CI = bool(os.environ.get("CI"))
 TIMEOUT_MS = 1_000
 TIMEOUTS = {"OPERATION_TIMEOUT_MS": TIMEOUT_MS, "CONNECT_TIMEOUT_MS": TIMEOUT_MS}
 #: The longest a stalled call may take by design: PostgreSQL waits for a reply
@@ -107,13 +110,7 @@ def assert_mapped(exc: BaseException, expected: type[LockError]) -> None:
 
 def own(server: Any) -> Any:
     """Start a server of the test's own, or skip (fail in CI) when it cannot run."""
-    try:
-        return server.start()
-    except ServerUnavailable as exc:
-        server.destroy()
-        if IN_CI:
-            pytest.fail(f"CI is set and {type(server).__name__} cannot start: {exc}")
-        pytest.skip(f"{type(server).__name__} unavailable: {exc}")
+    return start_or_skip(server, type(server).__name__)
 
 
 # ------------------------------------------------------------ proxied backends

@@ -621,7 +621,7 @@ def expected_config(name: str, params: dict[str, Any]) -> dict[str, Any] | None:
         return None
     if set(options) - COMMON - set(extra):
         return None
-    expected: dict[str, Any] = {"key_prefix": prefix}
+    expected: dict[str, Any] = {"key_prefix": prefix if cls is RedisBackend else ""}
     for option, attribute in (
         ("CONNECT_TIMEOUT_MS", "connect_timeout_ms"),
         ("OPERATION_TIMEOUT_MS", "operation_timeout_ms"),

@@ -117,7 +117,8 @@ def test_layout_is_one_hash_and_one_index_key_per_held_lock(rh):
 
 
 def test_hashed_storage_keys_keep_the_raw_key(redis_server):
-    # A prefix long enough that a 512-byte key must be hashed (ADR-013).
+    # A prefix long enough that a 512-byte key must be hashed; the index keeps the full
+    # lock-hash name (specs/backends/redis.md, Key layout).
     prefix = "p" * 480
     backend = RedisBackend("r", {"LOCATION": redis_server.url, "KEY_PREFIX": prefix})
     key = "k" * 512

@@ -56,13 +56,15 @@ _NO_TTL: Any = object()  # "this operation takes no TTL" (None is a bad TTL, not
 
 def _refuse_unknown_settings(alias: str, params: Mapping[str, Any]) -> None:
     """``InvalidArgument`` for a misspelled key of the alias's settings (``"OPTION"``)."""
-    for name in sorted(set(params) - SETTINGS_KEYS, key=str):
-        close = difflib.get_close_matches(str(name), SETTINGS_KEYS, n=1)
-        hint = f" Did you mean {close[0]!r}?" if close else ""
-        raise InvalidArgument(
-            f"Unknown setting {name!r} in SYNCGUARD_BACKENDS[{alias!r}]; the settings are "
-            f"{', '.join(sorted(SETTINGS_KEYS))}.{hint}"
-        )
+    unknown = sorted(set(params) - SETTINGS_KEYS, key=str)
+    if not unknown:
+        return
+    close = difflib.get_close_matches(str(unknown[0]), SETTINGS_KEYS, n=1)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    raise InvalidArgument(
+        f"Unknown setting {unknown[0]!r} in SYNCGUARD_BACKENDS[{alias!r}]; the settings are "
+        f"{', '.join(sorted(SETTINGS_KEYS))}.{hint}"
+    )
 
 
 def _validated_prefix(prefix: object) -> str:
@@ -78,13 +80,6 @@ def _validated_count(value: object, name: str, maximum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= maximum:
         raise InvalidArgument(f"{name} must be an int between 1 and {maximum}, not {value!r}.")
     return value
-
-
-def delete_in_batches(delete_batch: Callable[[int], int], batch_size: int) -> Iterator[int]:
-    """Call ``delete_batch(batch_size)`` until a batch deletes nothing, yielding each
-    count: the ``_delete_expired`` of backends that delete by a bounded query."""
-    while deleted := delete_batch(batch_size):
-        yield deleted
 
 
 def _once(count: Callable[[], int]) -> Iterator[int]:
@@ -191,12 +186,16 @@ class BaseLockBackend(SanitizedLookups, ABC):
         )
 
     def _key_prefix(self, params: Mapping[str, Any]) -> str:
-        if "KEY_PREFIX" in params and not self.uses_key_prefix:
-            raise InvalidArgument(
-                f"KEY_PREFIX has no meaning for {type(self).__name__}: its locks live in "
-                "tables or collections of their own. Remove it (or name other tables or "
-                "collections in OPTIONS)."
-            )
+        """``KEY_PREFIX`` (default ``"syncguard"``) where it has a meaning; elsewhere
+        refused, and ``""``."""
+        if not self.uses_key_prefix:
+            if "KEY_PREFIX" in params:
+                raise InvalidArgument(
+                    f"KEY_PREFIX has no meaning for {type(self).__name__}: its locks live "
+                    "in tables or collections of their own. Remove it (or name other "
+                    "tables or collections in OPTIONS)."
+                )
+            return ""
         prefix = params.get("KEY_PREFIX", "syncguard")
         if not isinstance(prefix, str):
             raise InvalidArgument(f"KEY_PREFIX must be a str, not {type(prefix).__name__}.")
@@ -364,7 +363,7 @@ class BaseLockBackend(SanitizedLookups, ABC):
     @abstractmethod
     def _delete_expired(self, batch_size: int) -> Iterator[int]:
         """Delete records past the cleanup guard in batches of at most ``batch_size``,
-        yielding each batch's count (see :func:`delete_in_batches`)."""
+        yielding each batch's count (see :class:`BatchedCleanup`)."""
 
     @abstractmethod
     def _acquire(self, key: str, ttl_ms: int, cancel: CancelToken | None) -> AcquireResult:
@@ -419,9 +418,14 @@ class BaseLockBackend(SanitizedLookups, ABC):
         alphabet than the contract's raises ``InvalidArgument`` (before any I/O)."""
         return key
 
+    @property
+    def _cleanup_guard_ms(self) -> int:
+        """How long past its expiry cleanup leaves a record alone."""
+        return CLEANUP_GUARD_MS[self.time_authority]
+
     def _cleanup_cutoff(self, now_ms: int) -> int:
         """Records that expired before this instant may be deleted by cleanup."""
-        return now_ms - CLEANUP_GUARD_MS[self.time_authority]
+        return now_ms - self._cleanup_guard_ms
 
     def _key_args(
         self, key: Any, cancel: Any, ttl_ms: Any = _NO_TTL
@@ -482,3 +486,16 @@ class BaseLockBackend(SanitizedLookups, ABC):
             logger.warning("%s: lookup returned a record for another lock; ignored.", self)
             return None
         return record.debug_info()
+
+
+class BatchedCleanup(ABC):
+    """``_delete_expired`` for backends that delete by a bounded query: batches of
+    ``_delete_expired_batch`` until one deletes nothing."""
+
+    def _delete_expired(self, batch_size: int) -> Iterator[int]:
+        while deleted := self._delete_expired_batch(batch_size):
+            yield deleted
+
+    @abstractmethod
+    def _delete_expired_batch(self, batch_size: int) -> int:
+        """Delete at most ``batch_size`` records past the guard; return how many."""

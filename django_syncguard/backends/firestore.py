@@ -21,7 +21,7 @@ import re
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from functools import partial
 from typing import Any, ClassVar, TypeVar
 
@@ -43,7 +43,7 @@ from ..fencing import FENCE_MAX, fence_overflow_error, format_fence
 from ..keys import generate_lock_id, hash_storage_key, make_storage_key
 from ..liveness import is_live
 from ..results import AcquireResult, ExtendResult, LockPage, LockRecord, ReleaseResult
-from .base import BaseLockBackend, delete_in_batches, mapping_option
+from .base import BaseLockBackend, BatchedCleanup, mapping_option
 
 logger = logging.getLogger("django_syncguard.backends.firestore")
 
@@ -151,7 +151,7 @@ I020 = (
 )
 
 
-class FirestoreBackend(BaseLockBackend):
+class FirestoreBackend(BatchedCleanup, BaseLockBackend):
     """Locks in Firestore; see the module docstring."""
 
     backend_name = "firestore"
@@ -621,9 +621,6 @@ class FirestoreBackend(BaseLockBackend):
         query = self._expired_query(self._cleanup_cutoff(self.now_ms()))
         result = self._call(lambda: query.count().get())
         return int(result[0][0].value)
-
-    def _delete_expired(self, batch_size: int) -> Iterator[int]:
-        return delete_in_batches(self._delete_expired_batch, batch_size)
 
     def _delete_expired_batch(self, batch_size: int) -> int:
         # Firestore takes at most 500 writes per batched write.

@@ -12,7 +12,7 @@ to move time without sleeping. The clock is the time authority (``"client"``).
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -26,7 +26,7 @@ from ..fencing import FENCE_MAX, fence_overflow_error, format_fence
 from ..keys import generate_lock_id
 from ..liveness import Clock, is_live, system_clock_ms
 from ..results import AcquireResult, ExtendResult, LockPage, LockRecord, ReleaseResult
-from .base import BaseLockBackend, delete_in_batches
+from .base import BaseLockBackend, BatchedCleanup
 
 
 @dataclass
@@ -53,7 +53,7 @@ W001 = (
 )
 
 
-class MemoryBackend(BaseLockBackend):
+class MemoryBackend(BatchedCleanup, BaseLockBackend):
     """Thread-safe in-process locks with fences; see the module docstring."""
 
     backend_name = "memory"
@@ -199,9 +199,6 @@ class MemoryBackend(BaseLockBackend):
     def _count_expired(self) -> int:
         with self._store.mutex:
             return len(self._expired(self.clock()))
-
-    def _delete_expired(self, batch_size: int) -> Iterator[int]:
-        return delete_in_batches(self._delete_expired_batch, batch_size)
 
     def _delete_expired_batch(self, batch_size: int) -> int:
         with self._store.mutex:

@@ -23,6 +23,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 PG_BIN = Path(os.environ.get("SYNCGUARD_PG_BIN", "/usr/lib/postgresql/15/bin"))
 #: Whether a server that cannot start fails the tests that need it (else: a skip).
@@ -414,3 +415,17 @@ def wait_for_port_free(port: int, timeout_s: float) -> None:
                 return
         time.sleep(0.05)
     raise ServerUnavailable(f"127.0.0.1:{port} still accepts connections after {timeout_s} s")
+
+
+def start_or_skip(server: Any, kind: str) -> Any:
+    """``server``, started; when it cannot start, skip the test that asked for it
+    (fail it when ``CI`` is set: there a missing server is a failure)."""
+    import pytest
+
+    try:
+        return server.start()
+    except ServerUnavailable as exc:
+        server.destroy()
+        if IN_CI:
+            pytest.fail(f"CI is set and {kind} cannot start: {exc}")
+        pytest.skip(f"{kind} unavailable: {exc}")

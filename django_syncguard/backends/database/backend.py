@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any, ClassVar, TypeVar
 
@@ -13,7 +13,7 @@ from django.db import connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from ...cancellation import CancelToken, check_cancel
-from ...constants import BACKEND_LIMITS, CLEANUP_GUARD_MS, RESERVE_BYTES, TIME_TOLERANCE_MS
+from ...constants import BACKEND_LIMITS, RESERVE_BYTES, TIME_TOLERANCE_MS
 from ...errors import InvalidArgument
 from ...fencing import fence_overflow_error, format_fence
 from ...keys import generate_lock_id, make_fence_key, make_storage_key
@@ -25,7 +25,7 @@ from ...results import (
     ReleaseResult,
     TimeAuthority,
 )
-from ..base import BaseLockBackend, delete_in_batches
+from ..base import BaseLockBackend, BatchedCleanup
 from .connections import PrivateConnections
 from .operations import FENCE_OVERFLOW, LOCKED, DatabaseOperations, Row, StorageKeys
 from .target import Problem, check_errors, resolve
@@ -49,7 +49,7 @@ LIMIT_BYTES = BACKEND_LIMITS["POSTGRES"]
 RESERVE = RESERVE_BYTES["POSTGRES"]
 
 
-class DatabaseBackend(BaseLockBackend):
+class DatabaseBackend(BatchedCleanup, BaseLockBackend):
     """Locks in a Django database; see the package docstring.
 
     The vendor's SQL and facts live in its operations object, ``self.ops``, picked
@@ -134,11 +134,6 @@ class DatabaseBackend(BaseLockBackend):
         """The backend's time authority, now (server time on PostgreSQL)."""
         return self.ops.now_ms()
 
-    @property
-    def _guard_ms(self) -> int:
-        """How long past its expiry cleanup leaves a record alone."""
-        return CLEANUP_GUARD_MS[self.time_authority]
-
     # ------------------------------------------------------------- operations
     def _acquire(self, key: str, ttl_ms: int, cancel: CancelToken | None) -> AcquireResult:
         lock_id = generate_lock_id()
@@ -167,7 +162,7 @@ class DatabaseBackend(BaseLockBackend):
         return ExtendResult(ok=False, reason="expired" if existed else "not-found")
 
     def _is_locked(self, key: str, cancel: CancelToken | None) -> bool:
-        sweep_guard_ms = self._guard_ms if self.cleanup_in_is_locked else None
+        sweep_guard_ms = self._cleanup_guard_ms if self.cleanup_in_is_locked else None
         return self.ops.is_locked(self.storage_key(key), sweep_guard_ms)
 
     def _lookup_by_key(self, key: str, cancel: CancelToken | None) -> LockRecord | None:
@@ -193,11 +188,8 @@ class DatabaseBackend(BaseLockBackend):
     def _count_expired(self) -> int:
         return self.ops.count_expired(self._cleanup_cutoff(self.now_ms()))
 
-    def _delete_expired(self, batch_size: int) -> Iterator[int]:
-        return delete_in_batches(self._delete_expired_batch, batch_size)
-
     def _delete_expired_batch(self, batch_size: int) -> int:
-        return self.ops.delete_expired_batch(batch_size, self._guard_ms)
+        return self.ops.delete_expired_batch(batch_size, self._cleanup_guard_ms)
 
     # Async: the private connections are per thread, so any worker thread will do.
     async def _in_thread(self, fn: Callable[..., T], *args: Any) -> T:

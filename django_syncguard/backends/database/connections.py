@@ -53,20 +53,20 @@ class _PerThread(threading.local):
 class PrivateConnections:
     """The private connections of one backend to the ``DATABASES`` alias ``database``.
 
-    ``vendor`` is the vendor's operations class: it sets the driver options and says
+    ``operations`` is the vendor's operations class: it sets the driver options and says
     whether the database is across a network and takes a direct cursor.
     """
 
     def __init__(
         self,
         database: str,
-        vendor: type[DatabaseOperations],
+        operations: type[DatabaseOperations],
         *,
         connect_timeout_ms: int,
         operation_timeout_ms: int,
     ) -> None:
         self.database = database
-        self.vendor = vendor
+        self.operations = operations
         self.connect_timeout_ms = connect_timeout_ms
         self.operation_timeout_ms = operation_timeout_ms
         self._local = _PerThread()
@@ -80,7 +80,7 @@ class PrivateConnections:
         if wrapper is None:
             source = connections[self.database]
             wrapper = type(source)(self._private_settings(source.settings_dict), self.database)
-            if self.vendor.over_network:
+            if self.operations.over_network:
                 bound_replies(wrapper, self.operation_timeout_ms / 1000 + REPLY_MARGIN_S)
             self._local.connection = wrapper
             self._open.add(wrapper)
@@ -96,7 +96,7 @@ class PrivateConnections:
         private["ATOMIC_REQUESTS"] = False
         private["CONN_MAX_AGE"] = None  # ours to keep; closed by close() or on errors
         private["CONN_HEALTH_CHECKS"] = False
-        self.vendor.connection_options(
+        self.operations.connection_options(
             private.setdefault("OPTIONS", {}),
             connect_timeout_ms=self.connect_timeout_ms,
             operation_timeout_ms=self.operation_timeout_ms,
@@ -113,7 +113,7 @@ class PrivateConnections:
     def run(self, work: Callable[[Any], T]) -> T:
         """Run ``work(cursor)`` on this thread's connection, mapping driver errors."""
         wrapper = self.connection()
-        if wrapper.connection is not None and self.vendor.over_network:
+        if wrapper.connection is not None and self.operations.over_network:
             self._reconnect_if_gone(wrapper)
         try:
             if self.direct(wrapper):
@@ -161,7 +161,7 @@ class PrivateConnections:
         """Bypass Django's cursor on PostgreSQL unless something watches the queries
         (DEBUG logging, ``CaptureQueriesContext``, execute wrappers of APM tools)."""
         return (
-            self.vendor.direct_cursor
+            self.operations.direct_cursor
             and not wrapper.queries_logged
             and not wrapper.execute_wrappers
         )

@@ -66,18 +66,15 @@ class StorageKeys(NamedTuple):
 
 
 class DatabaseOperations(ABC):
-    """One vendor's SQL and facts; see the module docstring.
-
-    The class-level facts below are those of no vendor in particular: the backend
-    reports them only while it has not yet picked its vendor.
-    """
+    """One vendor's SQL and facts; see the module docstring. Each vendor's class
+    states every fact below."""
 
     #: ``connection.vendor`` of the Django databases this class serves.
-    vendor: ClassVar[str] = ""
+    vendor: ClassVar[str]
     #: What ``capabilities.backend`` reports.
-    backend_name: ClassVar[str] = "database"
+    backend_name: ClassVar[str]
     #: Whose clock decides liveness: the server's, or this machine's.
-    time_authority: ClassVar[TimeAuthority] = "server"
+    time_authority: ClassVar[TimeAuthority]
     #: The database is a server across a network: bound every wait for a reply, and
     #: poll an idle connection before sending on it (the server may have ended it).
     over_network: ClassVar[bool] = False

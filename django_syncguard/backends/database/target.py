@@ -53,14 +53,13 @@ class Target:
 
 @dataclass(frozen=True, slots=True)
 class Problem:
-    """What is wrong with ``OPTIONS["DATABASE"]``, said twice: ``message`` for the
-    constructor's ``InvalidArgument``, ``check_msg`` (and ``hint``) for the system
-    check ``check_id``. Without a ``check_id`` the check leaves it to construction,
-    which it reports as ``syncguard.E003``."""
+    """What is wrong with ``OPTIONS["DATABASE"]``, said once: the constructor raises
+    ``message`` as ``InvalidArgument``; the system check reports it as ``check_id``
+    with ``hint``. Without a ``check_id`` the check leaves it to construction, which
+    it reports as ``syncguard.E003``."""
 
     message: str
     check_id: str | None = None
-    check_msg: str = ""
     hint: str | None = None
 
 
@@ -92,33 +91,21 @@ def check_errors(alias: str, params: Mapping[str, Any]) -> list[checks.CheckMess
         return []
     if isinstance(target, Target) or target.check_id is None:
         return []
-    return [checks.Error(target.check_msg, hint=target.hint, id=target.check_id)]
+    return [checks.Error(target.message, hint=target.hint, id=target.check_id)]
 
 
 def _not_an_alias(alias: str, database: str) -> Problem:
-    configured = list(connections.settings)
+    configured = ", ".join(repr(a) for a in connections.settings) or "none"
     return Problem(
-        f"OPTIONS['DATABASE'] = {database!r} is not an alias of DATABASES "
-        f"(configured: {', '.join(configured)}).",
+        E005.format(alias=alias, database=database, configured=configured),
         check_id="syncguard.E005",
-        check_msg=E005.format(
-            alias=alias,
-            database=database,
-            configured=", ".join(repr(a) for a in configured) or "none",
-        ),
     )
 
 
 def _unsupported(alias: str, database: str, vendor: str) -> Problem:
+    supported = ", ".join(SUPPORTED_VENDORS)
     return Problem(
-        f"The database backend supports PostgreSQL and SQLite; DATABASES[{database!r}] "
-        f"is {vendor}. Use the Redis or Firestore backend instead.",
+        E004.format(alias=alias, database=database, vendor=vendor, supported=supported),
         check_id="syncguard.E004",
-        check_msg=E004.format(
-            alias=alias,
-            database=database,
-            vendor=vendor,
-            supported=", ".join(SUPPORTED_VENDORS),
-        ),
         hint=E004_HINT,
     )
