@@ -15,6 +15,7 @@ import logging
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field, fields
+from functools import partial
 from typing import Any, TypedDict
 
 from . import signals
@@ -28,6 +29,7 @@ from .leases import Lease, pop_current, push_current
 from .results import AcquireResult
 from .retry import Backoff, Jitter, RetryPolicy, aacquire_with_retry, acquire_with_retry
 from .signals import Outgoing
+from .transactions import open_transactions, release_after
 from .ttl import validate_ttl
 
 logger = logging.getLogger("django_syncguard.acquisition")
@@ -54,6 +56,7 @@ class LockOptions(TypedDict, total=False):
     cancel: Any
     on_release_error: ReleaseErrorHandler | None
     auto_extend: bool
+    until_commit: bool
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,7 @@ class LockSpec:
     cancel: CancelToken | None = None
     on_release_error: ReleaseErrorHandler | None = None
     auto_extend: bool = False
+    until_commit: bool = True
 
     @classmethod
     def from_options(cls, caller: str, options: Mapping[str, Any]) -> LockSpec:
@@ -90,6 +94,8 @@ class LockSpec:
             raise InvalidArgument("on_release_error must be callable.")
         if not isinstance(self.auto_extend, bool):
             raise InvalidArgument("auto_extend must be True or False.")
+        if not isinstance(self.until_commit, bool):
+            raise InvalidArgument("until_commit must be True or False.")
 
     @contextmanager
     def hold(self, key: str) -> Iterator[Lease]:
@@ -114,11 +120,7 @@ class LockSpec:
             yield lease
         finally:
             pop_current(token)
-            # The caller's cancel must not stop the release: it would leave the lock held.
-            try:
-                lease.release()
-            except Exception as exc:
-                self._release_failed(exc, lease)
+            self._end(lease)
 
     @asynccontextmanager
     async def ahold(self, key: str) -> AsyncIterator[Lease]:
@@ -148,6 +150,28 @@ class LockSpec:
                 await asyncio.shield(lease.arelease())
             except Exception as exc:
                 self._release_failed(exc, lease)
+
+    def _end(self, lease: Lease) -> None:
+        """Release now, or, with ``until_commit`` inside ``transaction.atomic()``, when
+        the running thread's transactions end (see :mod:`.transactions`). Meanwhile
+        the lease stays the holder's: auto-extend keeps renewing it."""
+        transactions = open_transactions() if self.until_commit else []
+        if not transactions:
+            self._release(lease)
+            return
+        logger.debug(
+            "Lock on key %s: release deferred until %d transaction(s) end.",
+            hash_key(lease.key),
+            len(transactions),
+        )
+        release_after(partial(self._release, lease), transactions)
+
+    def _release(self, lease: Lease) -> None:
+        # The caller's cancel must not stop the release: it would leave the lock held.
+        try:
+            lease.release()
+        except Exception as exc:
+            self._release_failed(exc, lease)
 
     def _release_failed(self, exc: BaseException, lease: Lease) -> None:
         """Report a release error without masking the critical section's outcome."""

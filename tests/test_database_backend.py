@@ -30,6 +30,7 @@ from django_syncguard import checks as syncguard_checks
 from django_syncguard.backends.database import DatabaseBackend
 from django_syncguard.backends.database.connections import idle_connection_is_gone
 from django_syncguard.backends.database.errors import map_database_error
+from django_syncguard.backends.database.sqlite import BLOCKED_BY_CALLER
 from django_syncguard.errors import AuthFailed, RateLimited
 from tests.support.harness import PostgresHarness, SqliteHarness
 from tests.testapp.models import Account
@@ -151,16 +152,20 @@ def test_lock_taken_inside_atomic_survives_rollback(harness_cls, database, write
 
 
 @on_sqlite
-def test_sqlite_lock_after_a_write_in_the_same_transaction_times_out():
+def test_sqlite_lock_after_a_write_in_the_same_transaction_fails_at_once():
     # SQLite has one writer at a time: a transaction that has already written holds
-    # the database until it ends, so a lock taken after that write waits, then fails
-    # cleanly (take the lock first, as @locked on a view does).
-    backend = DatabaseBackend("short", {"OPTIONS": {"OPERATION_TIMEOUT_MS": 200}})
+    # the database until it ends, so a lock taken after that write could only wait for
+    # the transaction that waits for it. It fails after a short wait (not the whole
+    # operation timeout) with a message that says what to do (take the lock first,
+    # as @locked on a view does). See test_sqlite_transactions.py.
+    backend = DatabaseBackend("long", {"OPTIONS": {"OPERATION_TIMEOUT_MS": 60_000}})
     with transaction.atomic(using="default"):
         Account.objects.create(name="first")
-        with pytest.raises(NetworkTimeout, match="database is locked"):
+        with pytest.raises(ServiceUnavailable) as caught:
             backend.acquire("invoice:9", 1_000)
     backend.close()
+    assert str(caught.value) == BLOCKED_BY_CALLER.format(database="default")
+    assert isinstance(caught.value.__cause__, NetworkTimeout)
     assert observer("default").is_locked("invoice:9") is False
 
 

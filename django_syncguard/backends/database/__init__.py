@@ -30,7 +30,8 @@ The package, one module per concern:
 See ``specs/backends/database.md`` for the SQL of each operation.
 """
 
-from .backend import W002, W002_HINT, DatabaseBackend
+from .backend import DatabaseBackend
+from .sqlite import W002, W002_HINT
 from .target import E004, E004_HINT, E005, SUPPORTED_VENDORS
 
 __all__ = [

@@ -7,9 +7,7 @@ from functools import partial
 from typing import Any, ClassVar, TypeVar
 
 from asgiref.sync import sync_to_async
-from django.core import checks
 from django.core.checks import CheckMessage
-from django.db import connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from ...cancellation import CancelToken, check_cancel
@@ -31,19 +29,6 @@ from .operations import FENCE_OVERFLOW, LOCKED, DatabaseOperations, Row, Storage
 from .target import Problem, check_errors, resolve
 
 T = TypeVar("T")
-
-# System-check message of this backend (see checks.py for the table of ids; E004 and
-# E005 are in target.py).
-W002 = (
-    "Lock backend {alias!r} keeps its locks in DATABASES[{database!r}], which has "
-    "ATOMIC_REQUESTS=True. The lock backend uses its own autocommit connection, so a lock "
-    "is visible at once, but a view decorated with @locked commits its writes only after "
-    "the decorator released the lock: the next holder can read data from before the write."
-)
-W002_HINT = (
-    "Decorate such views with @transaction.non_atomic_requests and open "
-    "transaction.atomic() inside the locked function, or write with fenced_update()."
-)
 
 LIMIT_BYTES = BACKEND_LIMITS["POSTGRES"]
 RESERVE = RESERVE_BYTES["POSTGRES"]
@@ -71,7 +56,7 @@ class DatabaseBackend(BatchedCleanup, BaseLockBackend):
             connect_timeout_ms=self.connect_timeout_ms,
             operation_timeout_ms=self.operation_timeout_ms,
         )
-        self.ops = target.operations(self.connections.run)
+        self.ops = target.operations(self.connections.run, database=self.database)
 
     @classmethod
     def check_settings(cls, alias: str, params: Mapping[str, Any]) -> list[CheckMessage]:
@@ -81,16 +66,8 @@ class DatabaseBackend(BatchedCleanup, BaseLockBackend):
         return check_errors(alias, params)
 
     def check(self, **kwargs: Any) -> list[CheckMessage]:
-        """``syncguard.W002`` when the locks' ``DATABASES`` alias has ATOMIC_REQUESTS."""
-        if not connections.settings[self.database].get("ATOMIC_REQUESTS"):
-            return []
-        return [
-            checks.Warning(
-                W002.format(alias=self.alias, database=self.database),
-                hint=W002_HINT,
-                id="syncguard.W002",
-            )
-        ]
+        """What the vendor finds in the ``DATABASES`` alias's settings (no I/O)."""
+        return self.ops.check(self.alias)
 
     # The vendor's facts, read from its operations object.
     @property

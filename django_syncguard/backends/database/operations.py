@@ -82,10 +82,12 @@ class DatabaseOperations(ABC):
     #: queries (parameters bound by the server: no quoting in Python).
     direct_cursor: ClassVar[bool] = False
 
-    def __init__(self, run: Runner, clock: Clock = system_clock_ms) -> None:
+    def __init__(self, run: Runner, clock: Clock = system_clock_ms, *, database: str) -> None:
         self.run = run
         #: This machine's clock, for a vendor whose time authority is the client.
         self.clock = clock
+        #: The ``DATABASES`` alias the locks live in.
+        self.database = database
 
     @classmethod
     @abstractmethod
@@ -93,6 +95,11 @@ class DatabaseOperations(ABC):
         cls, options: dict[str, Any], *, connect_timeout_ms: int, operation_timeout_ms: int
     ) -> None:
         """Set the driver ``OPTIONS`` of a private connection: our timeouts."""
+
+    def check(self, alias: str) -> list[Any]:
+        """System-check messages about the ``DATABASES`` alias, for the lock backend
+        ``alias`` (no I/O)."""
+        return []
 
     def storable(self, key: str) -> str:
         """``key`` if this vendor can store it, else ``InvalidArgument`` (no I/O)."""

@@ -11,11 +11,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import suppress
-from typing import Any, ClassVar
+from functools import partial
+from typing import Any, ClassVar, TypeVar
+
+from django.core import checks
+from django.db import connections
 
 from ...constants import TIME_TOLERANCE_MS
+from ...errors import NetworkTimeout, ServiceUnavailable
 from ...fencing import FENCE_MAX, format_fence
-from ...liveness import is_live
+from ...liveness import Clock, is_live, system_clock_ms
 from ...results import TimeAuthority
 from .operations import (
     ACQUIRED,
@@ -25,11 +30,14 @@ from .operations import (
     AcquireReply,
     DatabaseOperations,
     Row,
+    Runner,
     StorageKeys,
     fetch_row,
     fetch_value,
     row_count,
 )
+
+T = TypeVar("T")
 
 SELECT_LOCK = "SELECT expires_at_ms FROM syncguard_locks WHERE key = %s"
 SELECT_FENCE = "SELECT fence FROM syncguard_fence_counters WHERE fence_key = %s"
@@ -60,12 +68,94 @@ DELETE_EXPIRED = (
 )
 
 
+#: How long a call waits for SQLite's write lock while the calling thread has a
+#: transaction open on the same database: long enough for another process's write
+#: to finish, far shorter than waiting for a lock that the caller itself holds.
+CALLER_TRANSACTION_WAIT_MS = 100
+
+BLOCKED_BY_CALLER = (
+    "Database {database!r} is SQLite, and this thread's transaction on it holds the "
+    "database (it has written, or read under the default rollback journal): SQLite lets "
+    "one writer in at a time, and the lock backend writes through its own connection, "
+    "so this call would wait for your transaction, which waits for this call. Take the "
+    "lock before the transaction touches the database (e.g. decorate the view, or open "
+    "atomic() inside the locked code), or keep the locks in an SQLite database of their "
+    "own (README: SQLite set-up)."
+)
+
+
+# System-check message of this vendor (see checks.py for the table of ids).
+W002 = (
+    "Lock backend {alias!r} keeps its locks in the SQLite database DATABASES[{database!r}], "
+    "{why}. SQLite lets one writer in at a time and the lock backend writes through its own "
+    "connection, so a lock taken inside a transaction that has touched that database fails "
+    "at once (ServiceUnavailable)."
+)
+W002_ATOMIC_REQUESTS = (
+    "which has ATOMIC_REQUESTS=True: code a view calls after the view's first query runs "
+    "inside such a transaction"
+)
+W002_TRANSACTION_MODE = (
+    "whose OPTIONS['transaction_mode'] is {mode!r}: every atomic() block takes the "
+    "database's write lock as it starts, so no lock can be taken inside one"
+)
+W002_HINT = (
+    "Decorate the view itself with @locked (its lock is taken before the view's queries "
+    "and released after its commit), or keep the locks in an SQLite database of their "
+    "own (README: SQLite set-up)."
+)
+
+
 class SqliteOperations(DatabaseOperations):
-    """SQLite through the standard library's sqlite3; see the module docstring."""
+    """SQLite through the standard library's sqlite3; see the module docstring.
+
+    SQLite has one writer at a time per database file. While the calling thread has
+    a transaction open on the locks' database (its own Django connection, not ours),
+    a write of ours waits only ``CALLER_TRANSACTION_WAIT_MS``: past that, the holder
+    is almost surely that very transaction, and the call fails at once with
+    ``ServiceUnavailable`` (``BLOCKED_BY_CALLER``) instead of stalling for the whole
+    operation timeout. ``until_commit`` keeps releases out of that case.
+    """
 
     vendor: ClassVar[str] = "sqlite"
     backend_name: ClassVar[str] = "sqlite"
     time_authority: ClassVar[TimeAuthority] = "client"
+
+    def __init__(self, run: Runner, clock: Clock = system_clock_ms, *, database: str) -> None:
+        super().__init__(self._bounded_under_caller_transaction(run), clock, database=database)
+
+    def check(self, alias: str) -> list[Any]:
+        """``syncguard.W002`` when transactions on the locks' database are likely to
+        hold it while locks are taken."""
+        settings_dict = connections.settings[self.database]
+        mode = str((settings_dict.get("OPTIONS") or {}).get("transaction_mode") or "")
+        if mode.upper() in ("IMMEDIATE", "EXCLUSIVE"):
+            why = W002_TRANSACTION_MODE.format(mode=mode)
+        elif settings_dict.get("ATOMIC_REQUESTS"):
+            why = W002_ATOMIC_REQUESTS
+        else:
+            return []
+        message = W002.format(alias=alias, database=self.database, why=why)
+        return [checks.Warning(message, hint=W002_HINT, id="syncguard.W002")]
+
+    def _caller_transaction_open(self) -> bool:
+        """Whether this thread's Django connection to the locks' database has a
+        transaction open (no I/O: sqlite3 tracks it)."""
+        caller = connections.all(initialized_only=True)
+        raw = next((c.connection for c in caller if c.alias == self.database), None)
+        return bool(raw is not None and raw.in_transaction)
+
+    def _bounded_under_caller_transaction(self, run: Runner) -> Runner:
+        def bounded_run(work: Callable[[Any], T]) -> T:
+            if not self._caller_transaction_open():
+                return run(work)
+            try:
+                return run(partial(_with_busy_timeout, CALLER_TRANSACTION_WAIT_MS, work))
+            except NetworkTimeout as exc:  # "database is locked"
+                message = BLOCKED_BY_CALLER.format(database=self.database)
+                raise ServiceUnavailable(message, context={"cause": exc}) from exc
+
+        return bounded_run
 
     @classmethod
     def connection_options(
@@ -171,3 +261,13 @@ class SqliteOperations(DatabaseOperations):
         cutoff = self.clock() - guard_ms
         params = [cutoff, batch_size, cutoff]
         return self.run(lambda c: row_count(c, DELETE_EXPIRED, params))
+
+
+def _with_busy_timeout(timeout_ms: int, work: Callable[[Any], T], cursor: Any) -> T:
+    """``work(cursor)`` with SQLite's busy timeout at ``timeout_ms``, then as it was."""
+    before = fetch_value(cursor, "PRAGMA busy_timeout", [])
+    cursor.execute(f"PRAGMA busy_timeout = {int(timeout_ms)}")
+    try:
+        return work(cursor)
+    finally:
+        cursor.execute(f"PRAGMA busy_timeout = {int(before)}")

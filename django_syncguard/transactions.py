@@ -1,0 +1,114 @@
+"""Releases that wait for the caller's transactions (``until_commit=True``).
+
+When locked code ends while the running thread is inside ``transaction.atomic()`` on
+one or more databases, its writes are not visible to anyone yet: releasing now
+would let the next holder read the old data. The release is therefore handed to
+each of those transactions and runs when the last of them ends, whichever way:
+
+- **commit**: Django runs the transaction's commit hooks right after the commit;
+  ours is one of them.
+- **rollback** (and a connection closed mid-transaction): Django has no hook, but
+  it drops the commit hooks it will never run (``run_on_commit = []``). Our hook is
+  an object that only that list holds, so dropping the list frees it, and a
+  ``weakref.finalize`` on it runs the release at that moment (reference counting
+  frees it at once, in the thread that rolled back). Nothing waits for the request
+  or the task to end.
+- **a savepoint rolled back** inside a still-open transaction: Django drops the
+  hooks registered under that savepoint. Ours is registered under none (an empty
+  set of savepoint ids), so it stays for the transaction's real end.
+
+A hook runs once whichever way the transaction ends: the commit path calls the
+finalizer itself, which disarms it.
+
+**Tests.** Django's ``TestCase`` (and pytest-django's ``django_db``) wraps each test
+in atomic blocks of its own that never commit. Those blocks are not the caller's
+transaction: a lock taken outside any ``atomic()`` of the code under test is
+released at once, as outside tests. A lock that ends inside the code's own
+``atomic()`` is released when that block is rolled back, or, like any
+``on_commit`` callback in a ``TestCase``, when ``captureOnCommitCallbacks(execute=True)``
+runs the hooks, else at the end of the test. See ``specs/contract.md`` (Transactions).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from collections.abc import Callable, Sequence
+from typing import cast
+
+from django.db import connections
+from django.db.backends.base.base import BaseDatabaseWrapper
+
+logger = logging.getLogger("django_syncguard.transactions")
+
+
+def open_transactions() -> list[BaseDatabaseWrapper]:
+    """The running thread's connections inside an ``atomic()`` block of its own code
+    (a test case's blocks do not count)."""
+    return [
+        c
+        for c in connections.all(initialized_only=True)
+        if c.in_atomic_block and _first_own_block(c) is not None
+    ]
+
+
+def _first_own_block(connection: BaseDatabaseWrapper) -> int | None:
+    """Index of the outermost atomic block not opened by a test case, if any."""
+    blocks = connection.atomic_blocks
+    return next((i for i, b in enumerate(blocks) if not getattr(b, "_from_testcase", False)), None)
+
+
+def _savepoints_of_own_transaction(connection: BaseDatabaseWrapper) -> set[str]:
+    """The savepoint ids to register the hook under: none for a real transaction, so
+    that it waits for the commit or rollback; inside a test case's blocks, the
+    savepoint of the code's outermost ``atomic()``, so that rolling that back (the
+    code's own rollback) releases."""
+    first = _first_own_block(connection) or 0
+    if first == 0:
+        return set()
+    # Every block but the outermost pushed its savepoint id (None without one).
+    sid = connection.savepoint_ids[first - 1]
+    return {sid} if sid else set()
+
+
+def release_after(release: Callable[[], None], transactions: Sequence[BaseDatabaseWrapper]) -> None:
+    """Call ``release()`` once every one of ``transactions`` has ended (committed,
+    rolled back, or its connection closed)."""
+    pending = _Pending(release, len(transactions))
+    for connection in transactions:
+        # Django's own entry (savepoint ids, callback, robust), as on_commit() makes it
+        # (django-stubs still types the two-item form of Django < 4.2): under no
+        # savepoint, so that a savepoint rolled back inside the transaction keeps it;
+        # robust, so that an error cannot stop the hooks after it.
+        hooks = cast(list[tuple[set[str], Callable[[], None], bool]], connection.run_on_commit)
+        hook = _TransactionEnd(pending).committed
+        hooks.append((_savepoints_of_own_transaction(connection), hook, True))
+
+
+class _Pending:
+    """A release that waits for ``count`` transactions to end."""
+
+    def __init__(self, release: Callable[[], None], count: int) -> None:
+        self._release = release
+        self._count = count
+        self._mutex = threading.Lock()
+
+    def one_ended(self) -> None:
+        with self._mutex:
+            self._count -= 1
+            last = self._count == 0
+        if last:
+            self._release()
+
+
+class _TransactionEnd:
+    """Sits in one connection's commit hooks until its transaction ends."""
+
+    def __init__(self, pending: _Pending) -> None:
+        # The finalizer must not refer to self: it runs when self is freed.
+        self._ended = weakref.finalize(self, pending.one_ended)
+
+    def committed(self) -> None:
+        """The commit hook (a bound method: Django logs hooks by ``__qualname__``)."""
+        self._ended()

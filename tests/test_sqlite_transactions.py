@@ -1,0 +1,67 @@
+"""The database backend on SQLite inside the caller's transactions: SQLite has one
+writer per file, and the lock backend writes through its own connection."""
+
+from __future__ import annotations
+
+import pytest
+from django.db import transaction
+
+from django_syncguard import locked
+from django_syncguard.backends.database import DatabaseBackend
+from tests.support.factories import AccountFactory
+from tests.testapp.models import Account
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture
+def lite():
+    backend = DatabaseBackend("lite", {"OPTIONS": {"DATABASE": "default"}})
+    yield backend
+    backend.close()
+
+
+def test_a_lock_released_in_a_writing_transaction_waits_for_its_commit(lite):
+    account = AccountFactory(balance=10)
+    with transaction.atomic():
+        with locked("account:1", using=lite):
+            Account.objects.filter(pk=account.pk).update(balance=11)
+        # Released later: a release now would wait for this transaction's write lock.
+        assert lite.lookup(key="account:1") is not None
+    assert lite.is_locked("account:1") is False
+    assert lite.acquire("account:1", 1_000).fence == "000000000000002"
+
+
+def test_a_rollback_releases_too(lite):
+    account = AccountFactory(balance=10)
+
+    def pay_then_fail():
+        with transaction.atomic():
+            with locked("account:1", using=lite):
+                Account.objects.filter(pk=account.pk).update(balance=11)
+            raise ZeroDivisionError
+
+    with pytest.raises(ZeroDivisionError):
+        pay_then_fail()
+    assert lite.is_locked("account:1") is False
+    account.refresh_from_db()
+    assert account.balance == 10
+
+
+def test_until_commit_false_cannot_release_behind_the_caller_s_write(lite, syncguard_log):
+    account = AccountFactory(balance=10)
+    with transaction.atomic(), locked("account:1", using=lite, until_commit=False):
+        Account.objects.filter(pk=account.pk).update(balance=11)
+    # The release failed fast (logged) and the lock lives until its TTL.
+    assert "Releasing the lock on key" in syncguard_log.text
+    assert "ServiceUnavailable" in syncguard_log.text
+    assert lite.is_locked("account:1") is True
+
+
+def test_outside_the_caller_s_transactions_nothing_changes(lite):
+    AccountFactory(balance=10)
+    with transaction.atomic():
+        pass
+    result = lite.acquire("account:1", 1_000)
+    assert result.ok is True
+    assert lite.release(result.lock_id).ok is True

@@ -1,0 +1,249 @@
+"""``until_commit``: a lock whose code ends inside ``transaction.atomic()`` is released
+when the transaction ends (commit or rollback), in one process; the multi-process
+proofs are in test_transactions_concurrency.py."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+from django.db import connections, transaction
+from django.test import TestCase
+
+from django_syncguard import current_lock, lock, locked
+from django_syncguard.signals import lock_extended, lock_released
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+class Rollback(Exception):
+    pass
+
+
+def fail_after(body, using):
+    with transaction.atomic(using=using):
+        body()
+        raise Rollback
+
+
+def rolled_back(body, using="default"):
+    """Run ``body()`` in ``atomic(using=...)``, then roll that block back."""
+    with pytest.raises(Rollback):
+        fail_after(body, using)
+
+
+@pytest.fixture
+def released(mem):
+    """The keys whose release was signalled, in order."""
+    seen: list[str] = []
+
+    def receiver(sender, key_hash, ok, **kwargs):
+        seen.append((key_hash, ok))
+
+    lock_released.connect(receiver, weak=False)
+    yield seen
+    lock_released.disconnect(receiver)
+
+
+def held(mem, key="invoice:1"):
+    return mem.backend.is_locked(key)
+
+
+def test_outside_a_transaction_the_lock_is_released_when_the_code_ends(mem):
+    with locked("invoice:1", using=mem.backend):
+        assert held(mem)
+    assert not held(mem)
+
+
+def test_the_release_waits_for_the_commit(mem, released):
+    with transaction.atomic():
+        with locked("invoice:1", using=mem.backend) as lease:
+            pass
+        assert held(mem)
+        assert current_lock() is None
+        assert lease.released is False
+        assert released == []
+    assert not held(mem)
+    assert lease.released is True
+    assert [ok for _, ok in released] == [True]
+
+
+def test_the_release_follows_a_rollback_at_once(mem):
+    def body():
+        with locked("invoice:1", using=mem.backend):
+            pass
+        assert held(mem)
+
+    rolled_back(body)
+    assert not held(mem)
+
+
+def test_an_exception_from_the_locked_code_rolls_back_and_releases(mem):
+    with pytest.raises(Rollback), transaction.atomic(), locked("invoice:1", using=mem.backend):
+        raise Rollback
+    assert not held(mem)
+
+
+def test_a_caught_exception_inside_the_transaction_waits_for_its_commit(mem):
+    with transaction.atomic():
+        with pytest.raises(Rollback), locked("invoice:1", using=mem.backend):
+            raise Rollback
+        assert held(mem)
+    assert not held(mem)
+
+
+def test_a_rolled_back_savepoint_does_not_release(mem):
+    def savepoint_body():
+        with locked("invoice:1", using=mem.backend):
+            pass
+
+    with transaction.atomic():
+        rolled_back(savepoint_body)
+        assert held(mem)
+    assert not held(mem)
+
+
+def test_a_rolled_back_savepoint_inside_the_locked_code_does_not_release(mem):
+    with transaction.atomic(), locked("invoice:1", using=mem.backend):
+        with pytest.raises(Rollback), transaction.atomic():
+            raise Rollback
+        assert held(mem)
+    assert not held(mem)
+
+
+def test_nested_locks_are_released_together_after_the_commit(mem):
+    with transaction.atomic():
+        with locked("outer", using=mem.backend), locked("inner", using=mem.backend):
+            pass
+        assert held(mem, "outer") and held(mem, "inner")
+    assert not held(mem, "outer") and not held(mem, "inner")
+
+
+def test_a_durable_block_releases_after_its_commit(mem):
+    with transaction.atomic(durable=True):
+        lock(lambda: None, key="invoice:1", using=mem.backend)
+        assert held(mem)
+    assert not held(mem)
+
+
+@pytest.mark.django_db(transaction=True, databases=["default", "postgres"])
+def test_with_two_databases_the_release_waits_for_both(mem):
+    with transaction.atomic(using="postgres"):
+        with transaction.atomic(using="default"), locked("invoice:1", using=mem.backend):
+            pass
+        assert held(mem)  # "default" committed; "postgres" is still open
+    assert not held(mem)
+
+
+@pytest.mark.django_db(transaction=True, databases=["default", "postgres"])
+def test_with_two_databases_a_rollback_of_the_last_one_releases(mem):
+    def body():
+        with transaction.atomic(using="default"), locked("invoice:1", using=mem.backend):
+            pass
+        assert held(mem)
+
+    rolled_back(body, using="postgres")
+    assert not held(mem)
+
+
+def test_until_commit_false_releases_when_the_code_ends(mem):
+    with transaction.atomic():
+        with locked("invoice:1", using=mem.backend, until_commit=False):
+            pass
+        assert not held(mem)
+
+
+def test_lock_and_decorator_take_until_commit_too(mem):
+    @locked("invoice:<pk>", using=mem.backend)
+    def pay(pk):
+        return current_lock().fence
+
+    with transaction.atomic():
+        assert pay(1) == "000000000000001"
+        lock(lambda: None, key="other", using=mem.backend, until_commit=False)
+        assert held(mem, "invoice:1") and not held(mem, "other")
+    assert not held(mem, "invoice:1")
+
+
+def test_a_connection_closed_mid_transaction_releases(mem):
+    with transaction.atomic():
+        with locked("invoice:1", using=mem.backend):
+            pass
+        connections["default"].close()
+        assert not held(mem)
+        # Django refuses to leave a block whose connection is gone only on commit.
+        connections["default"].needs_rollback = True
+
+
+def test_auto_extend_keeps_renewing_while_the_release_waits(mem):
+    renewed = threading.Event()
+
+    def receiver(sender, **kwargs):
+        renewed.set()
+
+    lock_extended.connect(receiver, weak=False)
+    try:
+        with transaction.atomic():
+            with locked("invoice:1", using=mem.backend, ttl_ms=300, auto_extend=True) as lease:
+                pass
+            renewed.clear()
+            assert renewed.wait(10), "no renewal while the release waited"
+            assert lease.released is False
+        assert lease.released is True
+        assert not held(mem)
+    finally:
+        lock_extended.disconnect(receiver)
+
+
+async def test_async_blocks_release_when_they_end(mem):
+    # Django's transactions are synchronous: async code cannot be inside one, so an
+    # async hold has nothing to wait for.
+    async with locked("invoice:1", using=mem.backend):
+        assert held(mem)
+    assert not held(mem)
+
+
+def test_sync_code_called_from_async_code_still_waits_for_its_commit(mem):
+    from asgiref.sync import sync_to_async
+
+    def pay():
+        with transaction.atomic():
+            with locked("invoice:1", using=mem.backend):
+                pass
+            return held(mem)
+
+    assert asyncio.run(sync_to_async(pay)()) is True
+    assert not held(mem)
+
+
+class TestInsideDjangoTestCase(TestCase):
+    """A TestCase's own atomic blocks are not the code's transaction."""
+
+    def setUp(self):
+        from tests.support.harness import MemoryHarness
+
+        self.mem = MemoryHarness()
+
+    def tearDown(self):
+        self.mem.close()
+
+    def test_outside_the_code_s_atomic_the_release_is_immediate(self):
+        with locked("invoice:1", using=self.mem.backend):
+            pass
+        assert not self.mem.backend.is_locked("invoice:1")
+
+    def test_inside_it_the_commit_hooks_release(self):
+        with self.captureOnCommitCallbacks(execute=True), transaction.atomic():
+            with locked("invoice:1", using=self.mem.backend):
+                pass
+            assert self.mem.backend.is_locked("invoice:1")
+        assert not self.mem.backend.is_locked("invoice:1")
+
+    def test_a_rollback_of_the_code_s_atomic_releases(self):
+        def body():
+            with locked("invoice:1", using=self.mem.backend):
+                pass
+
+        rolled_back(body)
+        assert not self.mem.backend.is_locked("invoice:1")
