@@ -3,8 +3,10 @@ writer per file, and the lock backend writes through its own connection."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
-from django.db import transaction
+from django.db import connections, transaction
 
 from django_syncguard import locked
 from django_syncguard.backends.database import DatabaseBackend
@@ -65,3 +67,32 @@ def test_outside_the_caller_s_transactions_nothing_changes(lite):
     result = lite.acquire("account:1", 1_000)
     assert result.ok is True
     assert lite.release(result.lock_id).ok is True
+
+
+def test_another_thread_s_write_lock_is_ordinary_contention(lite):
+    # Django opens a transaction with a plain BEGIN: until it writes, this thread holds
+    # nothing, and a lock call inside it waits for another writer as usual instead of
+    # failing fast. The other thread keeps its write lock for half a second, well past
+    # the 100 ms a call waits once its own transaction has written.
+    account = AccountFactory(balance=10)
+    holding, done = threading.Event(), threading.Event()
+
+    def other_request():
+        try:
+            with transaction.atomic():
+                Account.objects.filter(pk=account.pk).update(balance=20)
+                holding.set()
+                done.wait(10)
+        finally:
+            connections.close_all()
+
+    writer = threading.Thread(target=other_request)
+    writer.start()
+    assert holding.wait(10)
+    threading.Timer(0.5, done.set).start()
+    with transaction.atomic():
+        result = lite.acquire("account:1", 1_000)
+    writer.join(10)
+    assert result.ok is True
+    account.refresh_from_db()
+    assert account.balance == 20

@@ -14,8 +14,9 @@ from contextlib import suppress
 from functools import partial
 from typing import Any, ClassVar, TypeVar
 
-from django.core import checks
 from django.db import connections
+from django.db.backends.base.base import BaseDatabaseWrapper
+from django.db.backends.signals import connection_created
 
 from ...constants import TIME_TOLERANCE_MS
 from ...errors import NetworkTimeout, ServiceUnavailable
@@ -68,17 +69,16 @@ DELETE_EXPIRED = (
 )
 
 
-#: How long a call waits for SQLite's write lock while the calling thread has a
-#: transaction open on the same database: long enough for another process's write
-#: to finish, far shorter than waiting for a lock that the caller itself holds.
+#: How long a call waits for SQLite's write lock once the calling thread's own
+#: transaction on the same database has written: that transaction then holds the
+#: write lock itself, so no other writer can be the one to wait for.
 CALLER_TRANSACTION_WAIT_MS = 100
 
 BLOCKED_BY_CALLER = (
-    "Database {database!r} is SQLite, and this thread's transaction on it holds the "
-    "database (it has written, or read under the default rollback journal): SQLite lets "
-    "one writer in at a time, and the lock backend writes through its own connection, "
-    "so this call would wait for your transaction, which waits for this call. Take the "
-    "lock before the transaction touches the database (e.g. decorate the view, or open "
+    "Database {database!r} is SQLite, and this thread's transaction on it has written: "
+    "SQLite lets one writer in at a time, and the lock backend writes through its own "
+    "connection, so this call would wait for your transaction, which waits for this "
+    "call. Take the lock before the transaction writes (e.g. decorate the view, or open "
     "atomic() inside the locked code), or keep the locks in an SQLite database of their "
     "own (README: SQLite set-up)."
 )
@@ -109,12 +109,14 @@ W002_HINT = (
 class SqliteOperations(DatabaseOperations):
     """SQLite through the standard library's sqlite3; see the module docstring.
 
-    SQLite has one writer at a time per database file. While the calling thread has
-    a transaction open on the locks' database (its own Django connection, not ours),
-    a write of ours waits only ``CALLER_TRANSACTION_WAIT_MS``: past that, the holder
-    is almost surely that very transaction, and the call fails at once with
+    SQLite has one writer at a time per database file. Once the calling thread's own
+    transaction on the locks' database (its Django connection, not ours) has written,
+    it holds the write lock until it ends, so a write of ours could only wait for it:
+    such a call waits ``CALLER_TRANSACTION_WAIT_MS`` at most and then fails with
     ``ServiceUnavailable`` (``BLOCKED_BY_CALLER``) instead of stalling for the whole
-    operation timeout. ``until_commit`` keeps releases out of that case.
+    operation timeout. Before that first write (Django opens the transaction with a
+    plain ``BEGIN``, which takes no lock), calls wait as usual: another request's
+    write lock is ordinary contention. ``until_commit`` keeps releases out of it.
     """
 
     vendor: ClassVar[str] = "sqlite"
@@ -123,31 +125,11 @@ class SqliteOperations(DatabaseOperations):
 
     def __init__(self, run: Runner, clock: Clock = system_clock_ms, *, database: str) -> None:
         super().__init__(self._bounded_under_caller_transaction(run), clock, database=database)
-
-    def check(self, alias: str) -> list[Any]:
-        """``syncguard.W002`` when transactions on the locks' database are likely to
-        hold it while locks are taken."""
-        settings_dict = connections.settings[self.database]
-        mode = str((settings_dict.get("OPTIONS") or {}).get("transaction_mode") or "")
-        if mode.upper() in ("IMMEDIATE", "EXCLUSIVE"):
-            why = W002_TRANSACTION_MODE.format(mode=mode)
-        elif settings_dict.get("ATOMIC_REQUESTS"):
-            why = W002_ATOMIC_REQUESTS
-        else:
-            return []
-        message = W002.format(alias=alias, database=self.database, why=why)
-        return [checks.Warning(message, hint=W002_HINT, id="syncguard.W002")]
-
-    def _caller_transaction_open(self) -> bool:
-        """Whether this thread's Django connection to the locks' database has a
-        transaction open (no I/O: sqlite3 tracks it)."""
-        caller = connections.all(initialized_only=True)
-        raw = next((c.connection for c in caller if c.alias == self.database), None)
-        return bool(raw is not None and raw.in_transaction)
+        watch_transaction_writes(database)
 
     def _bounded_under_caller_transaction(self, run: Runner) -> Runner:
         def bounded_run(work: Callable[[Any], T]) -> T:
-            if not self._caller_transaction_open():
+            if not caller_transaction_has_written(self.database):
                 return run(work)
             try:
                 return run(partial(_with_busy_timeout, CALLER_TRANSACTION_WAIT_MS, work))
@@ -271,3 +253,65 @@ def _with_busy_timeout(timeout_ms: int, work: Callable[[Any], T], cursor: Any) -
         return work(cursor)
     finally:
         cursor.execute(f"PRAGMA busy_timeout = {int(before)}")
+
+
+# Which transactions of the application's own connections have written --------------
+# A Django connection to an SQLite database opens each transaction with a plain BEGIN
+# (no lock) and takes SQLite's write lock at its first write. An execute wrapper on the
+# connections of the locks' database notes both; it is installed when such a
+# connection is created (Django's connection_created signal), and on a connection that
+# already exists when a lock call first sees it (until its next BEGIN nothing is known,
+# and calls wait as usual).
+
+_WRITES = ("INSERT", "UPDATE", "DELETE", "REPLACE", "CREATE", "DROP", "ALTER")
+_watched: set[str] = set()
+
+
+class _WriteWatch:
+    """An execute wrapper: whether the connection's open transaction has written."""
+
+    def __init__(self) -> None:
+        self.wrote = False
+
+    def __call__(self, execute: Any, sql: Any, params: Any, many: bool, context: Any) -> Any:
+        verb = str(sql).lstrip()[:7].upper()
+        if verb.startswith("BEGIN"):
+            self.wrote = False
+        elif verb.startswith(_WRITES):
+            self.wrote = True
+        return execute(sql, params, many, context)
+
+
+def watch_transaction_writes(database: str) -> None:
+    """Watch the application's connections to ``database`` from now on."""
+    if database in _watched:
+        return
+    _watched.add(database)
+    connection_created.connect(_on_connection_created, dispatch_uid="django_syncguard.sqlite")
+    for connection in connections.all(initialized_only=True):
+        _watch(connection)
+
+
+def _on_connection_created(sender: Any, connection: BaseDatabaseWrapper, **kwargs: Any) -> None:
+    if connection.alias in _watched and connection in connections.all(initialized_only=True):
+        _watch(connection)  # the application's connection, not a private one of ours
+
+
+def _watch(connection: BaseDatabaseWrapper) -> None:
+    if connection.alias in _watched and not _watcher(connection):
+        connection.execute_wrappers.append(_WriteWatch())
+
+
+def _watcher(connection: BaseDatabaseWrapper) -> _WriteWatch | None:
+    return next((w for w in connection.execute_wrappers if isinstance(w, _WriteWatch)), None)
+
+
+def caller_transaction_has_written(database: str) -> bool:
+    """Whether this thread's Django connection to ``database`` is inside a transaction
+    that has written (no I/O)."""
+    caller = next((c for c in connections.all(initialized_only=True) if c.alias == database), None)
+    if caller is None or caller.connection is None or not caller.connection.in_transaction:
+        return False
+    _watch(caller)
+    watch = _watcher(caller)
+    return bool(watch and watch.wrote)
