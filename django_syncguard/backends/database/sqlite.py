@@ -14,6 +14,7 @@ from contextlib import suppress
 from functools import partial
 from typing import Any, ClassVar, TypeVar
 
+from django.core import checks
 from django.db import connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.backends.signals import connection_created
@@ -126,6 +127,20 @@ class SqliteOperations(DatabaseOperations):
     def __init__(self, run: Runner, clock: Clock = system_clock_ms, *, database: str) -> None:
         super().__init__(self._bounded_under_caller_transaction(run), clock, database=database)
         watch_transaction_writes(database)
+
+    def check(self, alias: str) -> list[Any]:
+        """``syncguard.W002`` when transactions on the locks' database are likely to
+        hold it while locks are taken."""
+        settings_dict = connections.settings[self.database]
+        mode = str((settings_dict.get("OPTIONS") or {}).get("transaction_mode") or "")
+        if mode.upper() in ("IMMEDIATE", "EXCLUSIVE"):
+            why = W002_TRANSACTION_MODE.format(mode=mode)
+        elif settings_dict.get("ATOMIC_REQUESTS"):
+            why = W002_ATOMIC_REQUESTS
+        else:
+            return []
+        message = W002.format(alias=alias, database=self.database, why=why)
+        return [checks.Warning(message, hint=W002_HINT, id="syncguard.W002")]
 
     def _bounded_under_caller_transaction(self, run: Runner) -> Runner:
         def bounded_run(work: Callable[[Any], T]) -> T:
