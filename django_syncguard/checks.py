@@ -16,8 +16,9 @@
 ``syncguard.E007``  ``SYNCGUARD_BACKENDS`` is an empty dict (remove it for the database
                     default, or define an alias).
 ``syncguard.W001``  The memory backend is configured while ``DEBUG`` is False.
-``syncguard.W002``  A database backend's ``DATABASES`` alias has ``ATOMIC_REQUESTS``:
-                    a view's writes commit after its lock is released.
+``syncguard.W002``  A database backend keeps its locks in an SQLite database whose
+                    ``transaction_mode`` takes the write lock as each transaction
+                    starts: no lock can be taken inside ``atomic()``.
 ``syncguard.W003``  A ``@locked`` function's ``ttl_ms`` cannot outlast one call to its
                     backend (``OPERATION_TIMEOUT_MS``), or, with ``auto_extend``, the
                     lease left at a renewal (two thirds of ``ttl_ms``) cannot.

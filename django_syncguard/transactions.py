@@ -62,14 +62,13 @@ def _first_own_block(connection: BaseDatabaseWrapper) -> int | None:
 def _savepoints_of_own_transaction(connection: BaseDatabaseWrapper) -> set[str]:
     """The savepoint ids to register the hook under: none for a real transaction, so
     that it waits for the commit or rollback; inside a test case's blocks, the
-    savepoint of the code's outermost ``atomic()``, so that rolling that back (the
-    code's own rollback) releases."""
+    savepoint of the code's outermost ``atomic()`` and those of the test case's blocks
+    around it, so that rolling back either (the code's own rollback, or the end of
+    the test) releases."""
     first = _first_own_block(connection) or 0
-    if first == 0:
-        return set()
-    # Every block but the outermost pushed its savepoint id (None without one).
-    sid = connection.savepoint_ids[first - 1]
-    return {sid} if sid else set()
+    # Every block but the outermost pushed its savepoint id (None without one): the
+    # first `first` are the test case's blocks' and the code's outermost block's.
+    return {sid for sid in connection.savepoint_ids[:first] if sid}
 
 
 def release_after(release: Callable[[], None], transactions: Sequence[BaseDatabaseWrapper]) -> None:

@@ -61,12 +61,20 @@ def test_demo_pays_the_invoice_exactly_once(example: tuple[Run, Path]) -> None:
         "before writing",
         "  worker-1's lease ran out while it stalled: invoice:1 is free again",
         "2. Three more workers pay it at the same time",
-        "  worker-2 (task) holds invoice:1 with fence 000000000000002 and charges the card",
+        "  worker-2 (web) POST /invoices/1/pay/ holds invoice:1 with fence 000000000000002 "
+        "and charges the card",
         "  worker-3 (task) finds invoice:1 locked and waits",
         "  worker-4 (web) POST /invoices/1/pay/ -> 409 Conflict: Another worker is paying "
         "this invoice.",
-        "  worker-2 (fence 000000000000002) paid the invoice",
-        "  worker-3 (fence 000000000000003) found it already paid",
+        "  worker-2's view wrote the payment and returned; its request's transaction "
+        "(ATOMIC_REQUESTS) has not committed yet",
+        # The lock outlives the view: released now, it would let worker-3 read this.
+        "  Until then others read Invoice INV-0042 paid=False, and invoice:1 stays locked",
+        "  worker-2's transaction commits, and only then is invoice:1 released",
+        "  worker-2 (web) POST /invoices/1/pay/ -> 200 OK: paid (fence 000000000000002)",
+        # The next holder reads the committed payment.
+        "  worker-3 (task) then holds invoice:1 with fence 000000000000003, reads Invoice "
+        "INV-0042 paid by worker-2 and does not pay again",
         "3. worker-1 wakes up and writes with its old fence",
         "  worker-1 (fence 000000000000001) is rejected: StaleFenceError: Stale fence "
         "000000000000001: a newer holder has already written this row.",
@@ -89,36 +97,52 @@ def test_demo_pays_the_invoice_exactly_once(example: tuple[Run, Path]) -> None:
 
 
 # Runs in the example project with its settings: the view through Django's test
-# client, while another holder has the lock and after it let go; then the task.
+# client, while another holder has the lock and after it let go; then the task. Each
+# release of the view's lock records whether the request's transaction was still open
+# and what another connection to the file read then.
 VIEW_AND_TASK = """
-import json, os
+import json, os, sqlite3
+from contextlib import closing
 
 import django
 
 os.environ["DJANGO_SETTINGS_MODULE"] = "example_project.settings"
 django.setup()
 
+from django.conf import settings
+from django.core import checks
+from django.db import connection
 from django.test import Client
 
 from django_syncguard import locks
+from django_syncguard.signals import lock_released
 from invoices import tasks
 from invoices.models import Invoice, Payment
 
 web = Invoice.objects.create(number="INV-0100", amount_cents=5_000)
 queued = Invoice.objects.create(number="INV-0200", amount_cents=7_000)
 client = Client(HTTP_HOST="localhost")
-out = {}
+out = {"atomic_requests": settings.DATABASES["default"]["ATOMIC_REQUESTS"], "releases": []}
+out["checks"] = [[m.id, m.msg] for m in checks.run_checks(tags=["syncguard"])]
+out["silenced"] = settings.SILENCED_SYSTEM_CHECKS
 
 def post(pk):
     response = client.post(f"/invoices/{pk}/pay/")
     return [response.status_code, response.get("Retry-After"), response.json()]
 
+def released(sender, **kwargs):
+    with closing(sqlite3.connect(settings.DATABASES["default"]["NAME"])) as other:
+        paid = other.execute("SELECT paid FROM invoices_invoice WHERE id = ?", [web.pk])
+        out["releases"].append([connection.in_atomic_block, bool(paid.fetchone()[0])])
+
 someone_else = locks["default"].acquire(f"invoice:{web.pk}", 10_000)
 out["while_locked"] = post(web.pk)
 out["still_unpaid"] = Invoice.objects.get(pk=web.pk).paid
 locks["default"].release(someone_else.lock_id)
+lock_released.connect(released)
 out["first"] = post(web.pk)
 out["second"] = post(web.pk)
+lock_released.disconnect(released)
 out["get"] = client.get(f"/invoices/{web.pk}/pay/").status_code
 out["missing"] = client.post("/invoices/999/pay/").status_code
 out["task"] = [tasks.pay_invoice(queued.pk, "worker-7"), tasks.pay_invoice(queued.pk, "worker-8")]
@@ -128,7 +152,7 @@ out["invoices"] = list(
 out["payments"] = list(
     Payment.objects.order_by("pk").values_list("invoice__number", "worker", "fence")
 )
-out["held"] = [locks["default"].is_locked(f"invoice:{pk}") for pk in (web.pk, queued.pk)]
+out["held"] = [locks["default"].is_locked(f"invoice:{pk}") for pk in (web.pk, queued.pk, 999)]
 print(json.dumps(out))
 """
 
@@ -137,10 +161,14 @@ print(json.dumps(out))
 def test_the_view_pays_once_and_answers_409_while_the_invoice_is_locked(
     example: tuple[Run, Path],
 ) -> None:
+    """The view in the request's transaction (ATOMIC_REQUESTS) on SQLite, with the
+    locks in the same file: its lock is taken before its first query and released
+    right after the commit."""
     run, _ = example
 
     out = json.loads(run("-c", VIEW_AND_TASK))
 
+    assert out["atomic_requests"] is True
     # Someone else held invoice:1 (fence 1): the view gave up after its short wait.
     assert out["while_locked"] == [
         409,
@@ -152,19 +180,48 @@ def test_the_view_pays_once_and_answers_409_while_the_invoice_is_locked(
     assert out["first"] == [
         200,
         None,
-        {"invoice": "INV-0100", "worker": "web", "fence": "000000000000002", "paid": True},
+        {
+            "invoice": "INV-0100",
+            "worker": "web",
+            "fence": "000000000000002",
+            "paid": True,
+            "paid_by": "web",
+        },
     ]
     assert out["second"] == [
         200,
         None,
-        {"invoice": "INV-0100", "worker": "web", "fence": "000000000000003", "paid": False},
+        {
+            "invoice": "INV-0100",
+            "worker": "web",
+            "fence": "000000000000003",
+            "paid": False,
+            "paid_by": "web",
+        },
     ]
+    # Each request's lock was released after its transaction had ended, when another
+    # connection already read the invoice as paid.
+    assert out["releases"] == [[False, True], [False, True]]
     assert out["get"] == 405
+    # An unknown invoice: the view raised Http404 inside the transaction, which rolled
+    # back; the lock was released all the same (held is False for invoice:999 below).
     assert out["missing"] == 404
     # The task, called directly (Celery is not installed), has its own key: invoice:2.
     assert out["task"] == [
-        {"invoice": "INV-0200", "worker": "worker-7", "fence": "000000000000001", "paid": True},
-        {"invoice": "INV-0200", "worker": "worker-8", "fence": "000000000000002", "paid": False},
+        {
+            "invoice": "INV-0200",
+            "worker": "worker-7",
+            "fence": "000000000000001",
+            "paid": True,
+            "paid_by": "worker-7",
+        },
+        {
+            "invoice": "INV-0200",
+            "worker": "worker-8",
+            "fence": "000000000000002",
+            "paid": False,
+            "paid_by": "worker-7",
+        },
     ]
     assert out["invoices"] == [
         ["INV-0100", True, "web", "000000000000002"],
@@ -174,4 +231,8 @@ def test_the_view_pays_once_and_answers_409_while_the_invoice_is_locked(
         ["INV-0100", "web", "000000000000002"],
         ["INV-0200", "worker-7", "000000000000001"],
     ]
-    assert out["held"] == [False, False]
+    assert out["held"] == [False, False, False]
+    # ATOMIC_REQUESTS on SQLite with the lock taken by the view's decorator is clean:
+    # no check message, nothing silenced.
+    assert out["silenced"] == []
+    assert out["checks"] == []

@@ -217,6 +217,32 @@ def test_sync_code_called_from_async_code_still_waits_for_its_commit(mem):
     assert not held(mem)
 
 
+def test_a_lock_left_by_a_test_s_own_atomic_is_released_when_the_test_ends(mem):
+    """A TestCase opens a transaction for its class and a savepoint for each test;
+    rolling back the test's savepoint ends what the test left, not the class's end."""
+
+    def test_case_block():
+        block = transaction.atomic()
+        block._from_testcase = True
+        block.__enter__()
+        return block
+
+    def roll_back(block):
+        transaction.set_rollback(True)
+        block.__exit__(None, None, None)
+
+    whole_class = test_case_block()
+    try:
+        one_test = test_case_block()
+        with transaction.atomic(), locked("invoice:1", using=mem.backend):
+            pass
+        assert held(mem)
+        roll_back(one_test)
+        assert not held(mem)
+    finally:
+        roll_back(whole_class)
+
+
 class TestInsideDjangoTestCase(TestCase):
     """A TestCase's own atomic blocks are not the code's transaction."""
 

@@ -4,8 +4,8 @@ Each worker is a separate OS process (multiprocessing's ``spawn``: a fresh Pytho
 as a Celery worker or a gunicorn worker would be) that calls ``django.setup()`` with
 the example settings. The workers share nothing but the SQLite file, where the
 default lock backend keeps the locks. The command steers them with two events each
-(``go``: start; ``resume``: carry on after a pause inside the lock) and they tell it
-what happened on a queue; the command prints it. Events, not sleeps, fix the order.
+(``go``: start; ``resume``: carry on after each pause) and they tell it what happened
+on a queue; the command prints it. Events, not sleeps, fix the order.
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from __future__ import annotations
 import logging
 import os
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, Literal, Protocol
 
 Role = Literal["stall", "pay", "wait", "web"]
@@ -33,6 +34,8 @@ class Event(Protocol):
 
     def wait(self, timeout: float | None = None) -> bool: ...
 
+    def clear(self) -> None: ...
+
 
 class Queue(Protocol):
     """A ``multiprocessing`` queue, as the workers use it."""
@@ -41,9 +44,12 @@ class Queue(Protocol):
 
 
 def wait_for(event: Event, what: str) -> None:
-    """Wait for the command's signal; fail rather than hang if it never comes."""
+    """Wait for the command's signal, and clear it for the next pause; fail rather than
+    hang if it never comes. (Cleared before the worker reports anything more, so the
+    command's next signal is never the one already used.)"""
     if not event.wait(SIGNAL_TIMEOUT_S):
         raise TimeoutError(f"No signal to {what} within {SIGNAL_TIMEOUT_S:.0f} s.")
+    event.clear()
 
 
 def run_worker(
@@ -111,13 +117,54 @@ def stall_past_lease(name: str, invoice_id: int, resume: Event, report: Reporter
         report("result", **result.as_dict())
 
 
-def pay_with_task(name: str, invoice_id: int, resume: Event, report: Reporter) -> None:
-    """Run the task; pause inside the lock (charging the card) until told to resume."""
-    from .payments import set_payment_provider
-    from .tasks import pay_invoice
+def pay_through_view(name: str, invoice_id: int, resume: Event, report: Reporter) -> None:
+    """POST to the payment view, which runs in the request's transaction
+    (``ATOMIC_REQUESTS``): pause inside the lock (charging the card), then, once the
+    view has returned, before its transaction commits; report the answer."""
+    from django.db import connection
+    from django.test import Client
+    from django.urls import reverse
 
+    from django_syncguard.signals import lock_released
+
+    from .payments import set_payment_provider
+    from .views import name_web_worker
+
+    name_web_worker(name)
     set_payment_provider(_hold_then_pause(report, resume))
-    report("result", **pay_invoice(invoice_id, name))
+    committed = []
+
+    def released(**kwargs: Any) -> None:
+        report("released", after_commit=bool(committed) and not connection.in_atomic_block)
+
+    lock_released.connect(released, weak=False)
+    path = reverse("invoices:pay", args=[invoice_id])
+    with commit_held(resume, report, committed):
+        response = Client(HTTP_HOST="localhost").post(path)
+    report("response", path=path, status=response.status_code, body=response.json())
+
+
+@contextmanager
+def commit_held(resume: Event, report: Reporter, committed: list[bool]) -> Iterator[None]:
+    """Hold this thread's commits on the default database until ``resume``, so that the
+    command can look at the moment between the view's return and its transaction's
+    commit. (A demo device: ``atomic()`` commits through ``connection.commit()``, and
+    only this wraps it; the lock backend commits on connections of its own.)"""
+    from django.db import connection
+
+    commit = connection.commit
+
+    def commit_when_told() -> None:
+        report("committing")
+        wait_for(resume, "commit")
+        commit()
+        committed.append(True)
+
+    connection.commit = commit_when_told  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del connection.commit
 
 
 def wait_for_turn(name: str, invoice_id: int, resume: Event, report: Reporter) -> None:
@@ -138,8 +185,11 @@ def post_to_view(name: str, invoice_id: int, resume: Event, report: Reporter) ->
     from django.test import Client
     from django.urls import reverse
 
+    from .views import name_web_worker
+
     # Django logs every 4xx answer as a warning; the demo prints the answer itself.
     logging.getLogger("django.request").setLevel(logging.ERROR)
+    name_web_worker(name)
     path = reverse("invoices:pay", args=[invoice_id])
     response = Client(HTTP_HOST="localhost").post(path)
     report("response", path=path, status=response.status_code, body=response.json())
@@ -147,7 +197,7 @@ def post_to_view(name: str, invoice_id: int, resume: Event, report: Reporter) ->
 
 ROLES: dict[Role, Callable[[str, int, Event, Reporter], None]] = {
     "stall": stall_past_lease,
-    "pay": pay_with_task,
+    "pay": pay_through_view,
     "wait": wait_for_turn,
     "web": post_to_view,
 }

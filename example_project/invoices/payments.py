@@ -45,6 +45,7 @@ class PaymentResult:
     worker: str  # who attempted the payment
     fence: str  # the fence of the lock it held
     paid: bool  # True when this attempt paid; False when the invoice was already paid
+    paid_by: str  # who paid the invoice, as read under the lock: ``worker`` or an earlier one
 
     def as_dict(self) -> dict[str, str | bool]:
         """The result as a dict (a view's JSON body, a Celery task's return value)."""
@@ -64,7 +65,7 @@ def record_payment(invoice_id: int, worker: str) -> PaymentResult:
         raise RuntimeError(f"record_payment needs the lock {LOCK_KEY.format(pk=invoice_id)}.")
     invoice = Invoice.objects.get(pk=invoice_id)
     if invoice.paid:
-        return PaymentResult(invoice.number, worker, lease.fence, paid=False)
+        return PaymentResult(invoice.number, worker, lease.fence, False, invoice.paid_by)
     _charge(invoice, worker)  # slow: the lease may run out meanwhile
     row = Invoice.objects.filter(pk=invoice_id)
     with transaction.atomic():
@@ -73,8 +74,9 @@ def record_payment(invoice_id: int, worker: str) -> PaymentResult:
         fenced_update(row, lease.fence)
         # Our fence is the newest: pay, unless a holder before us already did.
         if not row.filter(paid=False).update(paid=True, paid_by=worker):
-            return PaymentResult(invoice.number, worker, lease.fence, paid=False)
+            paid_by = row.values_list("paid_by", flat=True).get()
+            return PaymentResult(invoice.number, worker, lease.fence, False, paid_by)
         Payment.objects.create(
             invoice=invoice, worker=worker, fence=lease.fence, amount_cents=invoice.amount_cents
         )
-    return PaymentResult(invoice.number, worker, lease.fence, paid=True)
+    return PaymentResult(invoice.number, worker, lease.fence, True, worker)

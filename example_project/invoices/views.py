@@ -3,6 +3,12 @@
 The lock ``invoice:<pk>`` is taken around the view. A request that cannot get it
 within ``WAIT_MS`` (another request or a task is paying the invoice) is answered
 ``409 Conflict`` with ``Retry-After``, rather than tying up a web worker.
+
+The view runs in the request's transaction (``ATOMIC_REQUESTS`` in the settings).
+``@locked`` sits on the view itself, so the lock is taken before the view's first
+query; it is released right after that transaction commits (``until_commit``, the
+default), so whoever takes the lock next reads the payment, never the invoice as it
+was before.
 """
 
 from __future__ import annotations
@@ -21,10 +27,18 @@ from .payments import record_payment
 
 #: How long a request waits for the invoice's lock before answering 409.
 WAIT_MS = 250
-#: The ``paid_by`` of payments made through the web.
+#: The ``paid_by`` of payments made through the web, unless renamed.
 WEB_WORKER = "web"
+_web_worker = WEB_WORKER
 
 View = Callable[..., HttpResponse]
+
+
+def name_web_worker(name: str) -> None:
+    """Name the payments this process makes through the web (the demo's web workers
+    use their own names)."""
+    global _web_worker
+    _web_worker = name
 
 
 def conflict_when_busy(view: View) -> View:
@@ -51,7 +65,7 @@ def pay(request: HttpRequest, pk: int) -> JsonResponse:
     """Pay invoice ``pk``; the JSON body is the ``PaymentResult`` (``paid`` is false when
     the invoice was already paid)."""
     try:
-        result = record_payment(pk, WEB_WORKER)
+        result = record_payment(pk, _web_worker)
     except Invoice.DoesNotExist:
         raise Http404(f"No invoice {pk}.") from None
     return JsonResponse(result.as_dict())

@@ -71,12 +71,13 @@ DELETE_EXPIRED = (
 
 
 #: How long a call waits for SQLite's write lock once the calling thread's own
-#: transaction on the same database has written: that transaction then holds the
-#: write lock itself, so no other writer can be the one to wait for.
+#: transaction on the same database has written (or, without WAL, read): that
+#: transaction then holds what the call needs, so waiting longer cannot help.
 CALLER_TRANSACTION_WAIT_MS = 100
 
 BLOCKED_BY_CALLER = (
-    "Database {database!r} is SQLite, and this thread's transaction on it has written: "
+    "Database {database!r} is SQLite, and this thread's transaction on it has written "
+    "(or, without WAL, read): "
     "SQLite lets one writer in at a time, and the lock backend writes through its own "
     "connection, so this call would wait for your transaction, which waits for this "
     "call. Take the lock before the transaction writes (e.g. decorate the view, or open "
@@ -88,22 +89,14 @@ BLOCKED_BY_CALLER = (
 # System-check message of this vendor (see checks.py for the table of ids).
 W002 = (
     "Lock backend {alias!r} keeps its locks in the SQLite database DATABASES[{database!r}], "
-    "{why}. SQLite lets one writer in at a time and the lock backend writes through its own "
-    "connection, so a lock taken inside a transaction that has touched that database fails "
-    "at once (ServiceUnavailable)."
-)
-W002_ATOMIC_REQUESTS = (
-    "which has ATOMIC_REQUESTS=True: code a view calls after the view's first query runs "
-    "inside such a transaction"
-)
-W002_TRANSACTION_MODE = (
     "whose OPTIONS['transaction_mode'] is {mode!r}: every atomic() block takes the "
-    "database's write lock as it starts, so no lock can be taken inside one"
+    "database's write lock as it starts, and the lock backend writes through its own "
+    "connection, so no lock can be taken or released inside such a block (it fails at "
+    "once with ServiceUnavailable)."
 )
 W002_HINT = (
-    "Decorate the view itself with @locked (its lock is taken before the view's queries "
-    "and released after its commit), or keep the locks in an SQLite database of their "
-    "own (README: SQLite set-up)."
+    "Leave transaction_mode at Django's default for this database, or keep the locks in "
+    "an SQLite database of their own (README: SQLite set-up)."
 )
 
 
@@ -125,26 +118,24 @@ class SqliteOperations(DatabaseOperations):
     time_authority: ClassVar[TimeAuthority] = "client"
 
     def __init__(self, run: Runner, clock: Clock = system_clock_ms, *, database: str) -> None:
+        self._wal_mode: bool | None = None
         super().__init__(self._bounded_under_caller_transaction(run), clock, database=database)
         watch_transaction_writes(database)
 
     def check(self, alias: str) -> list[Any]:
-        """``syncguard.W002`` when transactions on the locks' database are likely to
-        hold it while locks are taken."""
-        settings_dict = connections.settings[self.database]
-        mode = str((settings_dict.get("OPTIONS") or {}).get("transaction_mode") or "")
-        if mode.upper() in ("IMMEDIATE", "EXCLUSIVE"):
-            why = W002_TRANSACTION_MODE.format(mode=mode)
-        elif settings_dict.get("ATOMIC_REQUESTS"):
-            why = W002_ATOMIC_REQUESTS
-        else:
+        """``syncguard.W002`` when every transaction on the locks' database takes its
+        write lock up front. (``ATOMIC_REQUESTS`` alone is fine: a lock taken before the
+        request's first write is taken at once, and released after the commit.)"""
+        options = connections.settings[self.database].get("OPTIONS") or {}
+        mode = str(options.get("transaction_mode") or "")
+        if mode.upper() not in ("IMMEDIATE", "EXCLUSIVE"):
             return []
-        message = W002.format(alias=alias, database=self.database, why=why)
+        message = W002.format(alias=alias, database=self.database, mode=mode)
         return [checks.Warning(message, hint=W002_HINT, id="syncguard.W002")]
 
     def _bounded_under_caller_transaction(self, run: Runner) -> Runner:
         def bounded_run(work: Callable[[Any], T]) -> T:
-            if not caller_transaction_has_written(self.database):
+            if not caller_transaction_holds(self.database, wal=self._wal(run)):
                 return run(work)
             try:
                 return run(partial(_with_busy_timeout, CALLER_TRANSACTION_WAIT_MS, work))
@@ -153,6 +144,13 @@ class SqliteOperations(DatabaseOperations):
                 raise ServiceUnavailable(message, context={"cause": exc}) from exc
 
         return bounded_run
+
+    def _wal(self, run: Runner) -> bool:
+        """Whether the database is in WAL mode (asked once: the mode is the file's)."""
+        if self._wal_mode is None:
+            mode = run(lambda cursor: fetch_value(cursor, "PRAGMA journal_mode", []))
+            self._wal_mode = str(mode).lower() == "wal"
+        return self._wal_mode
 
     @classmethod
     def connection_options(
@@ -279,21 +277,27 @@ def _with_busy_timeout(timeout_ms: int, work: Callable[[Any], T], cursor: Any) -
 # and calls wait as usual).
 
 _WRITES = ("INSERT", "UPDATE", "DELETE", "REPLACE", "CREATE", "DROP", "ALTER")
+_READS = ("SELECT", "WITH")
 _watched: set[str] = set()
 
 
 class _WriteWatch:
-    """An execute wrapper: whether the connection's open transaction has written."""
+    """An execute wrapper: whether the connection's open transaction has written, and
+    whether it has read (under a rollback journal a read holds a shared lock until the
+    transaction ends, which a writer's commit must wait for)."""
 
     def __init__(self) -> None:
         self.wrote = False
+        self.read = False
 
     def __call__(self, execute: Any, sql: Any, params: Any, many: bool, context: Any) -> Any:
         verb = str(sql).lstrip()[:7].upper()
         if verb.startswith("BEGIN"):
-            self.wrote = False
+            self.wrote = self.read = False
         elif verb.startswith(_WRITES):
             self.wrote = True
+        elif verb.startswith(_READS):
+            self.read = True
         return execute(sql, params, many, context)
 
 
@@ -321,12 +325,12 @@ def _watcher(connection: BaseDatabaseWrapper) -> _WriteWatch | None:
     return next((w for w in connection.execute_wrappers if isinstance(w, _WriteWatch)), None)
 
 
-def caller_transaction_has_written(database: str) -> bool:
+def caller_transaction_holds(database: str, *, wal: bool) -> bool:
     """Whether this thread's Django connection to ``database`` is inside a transaction
-    that has written (no I/O)."""
+    that holds what a writer needs: it has written, or, without WAL, read (no I/O)."""
     caller = next((c for c in connections.all(initialized_only=True) if c.alias == database), None)
     if caller is None or caller.connection is None or not caller.connection.in_transaction:
         return False
     _watch(caller)
     watch = _watcher(caller)
-    return bool(watch and watch.wrote)
+    return bool(watch and (watch.wrote or (watch.read and not wal)))

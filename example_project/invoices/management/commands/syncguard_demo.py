@@ -29,7 +29,7 @@ AMOUNT_CENTS = 12_500
 #: The worker processes and what each does (see demo_workers.ROLES).
 WORKERS: dict[str, Role] = {
     "worker-1": "stall",  # the payment with a 300 ms lease; stalls past it
-    "worker-2": "pay",  # the task; pays
+    "worker-2": "pay",  # POST /invoices/<pk>/pay/; pays in the request's transaction
     "worker-3": "wait",  # the task; waits for worker-2, then finds the invoice paid
     "worker-4": "web",  # POST /invoices/<pk>/pay/ while worker-2 holds the lock
 }
@@ -133,7 +133,7 @@ class Command(BaseCommand):
         try:
             workers.start()
             self.stall_past_the_lease(workers, key)
-            self.pay_at_once(workers, key)
+            self.pay_at_once(workers, invoice, key)
             self.heading("3. worker-1 wakes up and writes with its old fence")
             workers.resume["worker-1"].set()
             stale = workers.expect("worker-1", "stale")
@@ -170,29 +170,63 @@ class Command(BaseCommand):
             time.sleep(0.02)
         self.say(f"  worker-1's lease ran out while it stalled: {key} is free again")
 
-    def pay_at_once(self, workers: Workers, key: str) -> None:
-        """worker-2 holds the lock while worker-3 waits for it and worker-4's request is
-        turned away; then worker-2 pays and worker-3 finds the invoice paid."""
+    def pay_at_once(self, workers: Workers, invoice: Invoice, key: str) -> None:
+        """worker-2's request holds the lock while worker-3 waits for it and worker-4's
+        request is turned away; then worker-2 pays (see :meth:`commit_then_release`)."""
         self.heading("2. Three more workers pay it at the same time")
         workers.go["worker-2"].set()
         held = workers.expect("worker-2", "holds")
-        self.say(f"  worker-2 (task) holds {key} with fence {held['fence']} and charges the card")
+        path = f"/invoices/{invoice.pk}/pay/"
+        self.say(
+            f"  worker-2 (web) POST {path} holds {key} with fence {held['fence']} "
+            "and charges the card"
+        )
         workers.go["worker-3"].set()
         workers.expect("worker-3", "waiting")
         self.say(f"  worker-3 (task) finds {key} locked and waits")
         workers.go["worker-4"].set()
         answer = workers.expect("worker-4", "response")
-        status = HTTPStatus(answer["status"])
-        self.say(
-            f"  worker-4 (web) POST {answer['path']} -> {status.value} {status.phrase}: "
-            f"{answer['body'].get('detail', answer['body'])}",
-            "NOTICE",
-        )
+        self.say(f"  worker-4 (web) POST {answer['path']} -> {self.answer(answer)}", "NOTICE")
+        self.commit_then_release(workers, invoice, key)
+
+    def commit_then_release(self, workers: Workers, invoice: Invoice, key: str) -> None:
+        """worker-2's view pays and returns; its lock outlives the view until the
+        request's transaction commits (worker-2 holds the commit until told), and
+        worker-3, next in line, reads the committed payment."""
         workers.resume["worker-2"].set()
-        for worker in ("worker-2", "worker-3"):
-            done = workers.expect(worker, "result")
-            outcome = "paid the invoice" if done["paid"] else "found it already paid"
-            self.say(f"  {worker} (fence {done['fence']}) {outcome}")
+        workers.expect("worker-2", "committing")
+        self.say(
+            "  worker-2's view wrote the payment and returned; its request's transaction "
+            "(ATOMIC_REQUESTS) has not committed yet"
+        )
+        invoice.refresh_from_db()
+        state = "stays locked" if locks["default"].is_locked(key) else "is already free"
+        self.say(f"  Until then others read {invoice} paid={invoice.paid}, and {key} {state}")
+        workers.resume["worker-2"].set()
+        released = workers.expect("worker-2", "released")
+        answer = workers.expect("worker-2", "response")
+        if released["after_commit"]:
+            self.say(f"  worker-2's transaction commits, and only then is {key} released")
+        else:
+            self.say("  worker-2's lock was released before its transaction committed")
+        self.say(f"  worker-2 (web) POST {answer['path']} -> {self.answer(answer)}")
+        done = workers.expect("worker-3", "result")
+        read = f"{invoice} paid by {done['paid_by']}" if done["paid_by"] else f"{invoice} unpaid"
+        outcome = "pays it" if done["paid"] else "does not pay again"
+        self.say(
+            f"  worker-3 (task) then holds {key} with fence {done['fence']}, reads {read} "
+            f"and {outcome}"
+        )
+
+    @staticmethod
+    def answer(response: dict[str, Any]) -> str:
+        """``200 OK: ...`` for a worker's reported response."""
+        status = HTTPStatus(response["status"])
+        body = response["body"]
+        if "detail" in body:
+            return f"{status.value} {status.phrase}: {body['detail']}"
+        outcome = "paid" if body.get("paid") else "already paid"
+        return f"{status.value} {status.phrase}: {outcome} (fence {body.get('fence')})"
 
     def result(self, invoice: Invoice) -> None:
         """Print the invoice row and its payments; fail unless it was paid exactly once."""
