@@ -69,12 +69,22 @@ def extend_events(backend):
     return with_telemetry(backend, on_event), outcomes, signal
 
 
-def test_auto_extend_renews_every_third_of_the_ttl(mem):
+def test_auto_extend_renews_every_third_of_the_ttl(mem, monkeypatch):
+    # The renewal thread waits until the test has moved the fake clock: on a busy
+    # machine it could otherwise renew (after 100 real ms) before the move.
+    advanced, extend = threading.Event(), mem.backend.extend
+
+    def extend_after_the_move(*args, **kwargs):
+        advanced.wait(5)
+        return extend(*args, **kwargs)
+
+    monkeypatch.setattr(mem.backend, "extend", extend_after_the_move)
     wrapped, outcomes, renewed = extend_events(mem.backend)
     with locked("job", using=wrapped, ttl_ms=300, auto_extend=True) as lease:
         assert lease._renewer.interval == pytest.approx(0.1)  # a third of 300 ms
         acquired_at = mem.now_ms()
         mem.advance(100)
+        advanced.set()
         assert renewed.wait(5), "no renewal within 5 s"
         assert outcomes[0] == "ok"
         assert lease.expires_at_ms == acquired_at + 100 + 300
