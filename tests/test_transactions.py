@@ -12,7 +12,7 @@ from django.db import connections, transaction
 from django.test import TestCase
 
 from django_syncguard import current_lock, lock, locked
-from django_syncguard.signals import lock_extended, lock_released
+from django_syncguard.signals import lock_extended, lock_lost, lock_released
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -194,6 +194,25 @@ def test_auto_extend_keeps_renewing_while_the_release_waits(mem):
         assert not held(mem)
     finally:
         lock_extended.disconnect(receiver)
+
+
+def test_a_lease_lost_while_its_release_waits_is_reported(mem):
+    lost = threading.Event()
+
+    def receiver(sender, reason, **kwargs):
+        lost.set()
+
+    lock_lost.connect(receiver, weak=False)
+    try:
+        with transaction.atomic():
+            with locked("invoice:1", using=mem.backend, ttl_ms=300, auto_extend=True) as lease:
+                pass
+            mem.advance(300 + 1_000 + 1)  # past its expiry and the tolerance
+            assert lost.wait(10), "no lock_lost while the release waited"
+            assert lease.lost is True and lease.released is False
+        assert lease.released is True
+    finally:
+        lock_lost.disconnect(receiver)
 
 
 async def test_async_blocks_release_when_they_end(mem):
