@@ -3,12 +3,14 @@ writer per file, and the lock backend writes through its own connection."""
 
 from __future__ import annotations
 
+import sqlite3
 import threading
+import time
 
 import pytest
 from django.db import connections, transaction
 
-from django_syncguard import locked
+from django_syncguard import generate_lock_id, locked
 from django_syncguard.backends.database import DatabaseBackend
 from tests.support.factories import AccountFactory
 from tests.testapp.models import Account
@@ -96,3 +98,65 @@ def test_another_thread_s_write_lock_is_ordinary_contention(lite):
     assert result.ok is True
     account.refresh_from_db()
     assert account.balance == 20
+
+
+# A transaction that has read and then writes fails at once ("database is locked",
+# no busy wait) when another connection has SQLite's write lock at that moment. The
+# holder of a lock reads and writes in its transaction; callers waiting for the lock
+# must therefore not take the write lock (test_transactions_concurrency.py shows the
+# lost transactions across processes).
+@pytest.fixture
+def writer():
+    """A connection of "another process" to the same file, used from any thread."""
+    name = connections["default"].settings_dict["NAME"]
+    raw = sqlite3.connect(name, isolation_level=None, check_same_thread=False)
+    yield raw
+    if raw.in_transaction:
+        raw.execute("ROLLBACK")
+    raw.close()
+
+
+def take_key(raw, key):
+    """Write a live lock row for ``key`` through ``raw``, as an acquire would."""
+    now = int(time.time() * 1000)
+    raw.execute(
+        "INSERT INTO syncguard_locks (key, lock_id, expires_at_ms, acquired_at_ms, fence) "
+        "VALUES (?, ?, ?, ?, ?)",
+        [key, generate_lock_id(), now + 60_000, now, "000000000000001"],
+    )
+
+
+def test_a_held_key_is_answered_without_the_write_lock(lite, writer):
+    held = lite.acquire("account:1", 60_000)
+    writer.execute("BEGIN IMMEDIATE")  # another process writes, for as long as it likes
+    assert lite.acquire("account:1", 1_000).ok is False  # at once, not after the timeout
+    writer.execute("ROLLBACK")
+    assert lite.release(held.lock_id).ok is True
+
+
+def test_a_key_taken_while_waiting_for_the_write_lock_is_answered_without_it(lite, writer):
+    trying = threading.Event()
+    statements: list[str] = []
+
+    def trace(sql):
+        statements.append(sql)
+        if sql == "BEGIN IMMEDIATE":
+            trying.set()
+
+    def take_it_once_the_caller_waits():
+        assert trying.wait(10)
+        take_key(writer, "account:1")
+        writer.execute("COMMIT")
+
+    private = lite.connection()
+    private.ensure_connection()
+    private.connection.set_trace_callback(trace)
+    writer.execute("BEGIN IMMEDIATE")
+    other = threading.Thread(target=take_it_once_the_caller_waits)
+    other.start()
+    try:
+        assert lite.acquire("account:1", 1_000).ok is False
+    finally:
+        other.join()
+    assert "BEGIN IMMEDIATE" in statements  # it did wait for the write lock ...
+    assert not {"COMMIT", "ROLLBACK"} & set(statements)  # ... and never had it

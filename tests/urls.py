@@ -8,4 +8,7 @@ urlpatterns = [
     path("invoices/<int:pk>/pay/", views.pay_invoice),
     path("async/invoices/<int:pk>/pay/", views.apay_invoice),
     path("atomic/invoices/<int:pk>/pay/", views.pay_atomic),
+    path("accounts/<str:database>/<int:pk>/deposit/", views.deposit),
+    path("accounts/<str:database>/<int:pk>/deposit-then-fail/", views.deposit_then_fail),
+    path("accounts/<str:database>/<int:pk>/balance/", views.balance),
 ]

@@ -28,5 +28,31 @@ def run_in_processes(
         p.join(timeout=60)
         assert p.exitcode == 0
     failures = [r for r in collected if isinstance(r, BaseException)]
-    assert failures == []
+    assert failures == [], failures
     return collected
+
+
+class Children:
+    """Spawned processes that play different parts (``run_in_processes`` runs one
+    part many times). :meth:`join` waits for each and checks its exit code; whatever
+    still runs when the test ends (it failed midway) is terminated, by its handle."""
+
+    def __init__(self) -> None:
+        self.ctx = multiprocessing.get_context("spawn")
+        self.started: list[Any] = []
+
+    def start(self, target: Callable[..., None], *args: Any) -> None:
+        process = self.ctx.Process(target=target, args=args)
+        process.start()
+        self.started.append(process)
+
+    def join(self, timeout_s: float = 60) -> None:
+        for process in self.started:
+            process.join(timeout=timeout_s)
+            assert process.exitcode == 0
+
+    def terminate(self) -> None:
+        for process in self.started:
+            if process.is_alive():
+                process.terminate()
+                process.join(timeout=10)

@@ -1,6 +1,12 @@
+import functools
+import json
+
+from django.db import connections
 from django.http import JsonResponse
+from django.views.decorators.csrf import csrf_exempt
 
 from django_syncguard import current_lock, locked
+from tests.testapp.models import Account, Ledger
 
 
 @locked("invoice:<pk>", max_retries=0)
@@ -37,3 +43,50 @@ def pay_atomic(request, pk):
             "in_atomic": connections["postgres"].in_atomic_block,
         }
     )
+
+
+# The views of test_transactions_concurrency.py: under ATOMIC_REQUESTS on the
+# ``database`` alias, Django opens the request's transaction around the decorated
+# view, so the lock is taken inside it and released after its commit or rollback.
+WAITING = {"max_retries": 100_000, "retry_delay_ms": 1, "backoff": "fixed", "timeout_ms": 60_000}
+
+
+def with_ledger_line(view):
+    """The request's transaction goes on after the locked view returns: it writes a
+    ledger line. A lock released as the view returns would be free before the commit."""
+
+    @functools.wraps(view)
+    def write_after(request, database, pk):
+        response = view(request, database=database, pk=pk)
+        Ledger.objects.using(database).create(total=json.loads(response.content)["seen"] + 1)
+        return response
+
+    return write_after
+
+
+@csrf_exempt
+@with_ledger_line
+@locked("account:<pk>", **WAITING)
+def deposit(request, database, pk):
+    """Read the balance, write it plus one (read-modify-write)."""
+    accounts = Account.objects.using(database)
+    seen = accounts.get(pk=pk).balance
+    accounts.filter(pk=pk).update(balance=seen + 1)
+    in_atomic = connections[database].in_atomic_block
+    return JsonResponse({"seen": seen, "fence": current_lock().fence, "in_atomic": in_atomic})
+
+
+@csrf_exempt
+@locked("account:<pk>")
+def deposit_then_fail(request, database, pk):
+    """Write the balance plus one, then fail: the request's transaction rolls back."""
+    accounts = Account.objects.using(database)
+    accounts.filter(pk=pk).update(balance=accounts.get(pk=pk).balance + 1)
+    raise RuntimeError("payment provider failed")
+
+
+@locked("account:<pk>", max_retries=0)
+def balance(request, database, pk):
+    """The balance, read under the lock; refused at once if the lock is held."""
+    account = Account.objects.using(database).get(pk=pk)
+    return JsonResponse({"balance": account.balance, "fence": current_lock().fence})

@@ -2,20 +2,22 @@
 
 Every process of an SQLite database runs on one machine, so they share that clock.
 Writers are serialised by SQLite's database lock, which ``BEGIN IMMEDIATE`` takes up
-front for the multi-statement acquire; release and extend are single ``DELETE`` /
+front for the multi-statement acquire (never to find the key held: a live lock is
+answered from a read); release and extend are single ``DELETE`` /
 ``UPDATE ... RETURNING`` statements (SQLite 3.35 or newer). See
 ``specs/backends/database.md``, Operations on SQLite.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from contextlib import suppress
 from functools import partial
 from typing import Any, ClassVar, TypeVar
 
 from django.core import checks
-from django.db import connections
+from django.db import OperationalError, connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.backends.signals import connection_created
 
@@ -69,6 +71,10 @@ DELETE_EXPIRED = (
     "WHERE expires_at_ms < %s ORDER BY expires_at_ms LIMIT %s) AND expires_at_ms < %s"
 )
 
+
+#: Longest pause between two tries of acquire for SQLite's write lock (the first
+#: pause is 1 ms, then each one doubles).
+WRITE_LOCK_PAUSE_MAX_S = 0.02
 
 #: How long a call waits for SQLite's write lock once the calling thread's own
 #: transaction on the same database has written (or, without WAL, read): that
@@ -176,7 +182,8 @@ class SqliteOperations(DatabaseOperations):
     ) -> AcquireReply:
         """Acquire in one transaction that holds the database lock from its start, so
         no other writer runs between the reads and the writes."""
-        cursor.execute("BEGIN IMMEDIATE")
+        if not self._begin_unless_held(cursor, keys.storage_key):
+            return LOCKED, None, None
         try:
             reply = self._read_then_write(cursor, keys, lock_id, ttl_ms, check_cancel)
             cursor.execute("COMMIT" if reply[0] == ACQUIRED else "ROLLBACK")
@@ -185,6 +192,41 @@ class SqliteOperations(DatabaseOperations):
             with suppress(Exception):
                 cursor.execute("ROLLBACK")
             raise
+
+    def _begin_unless_held(self, cursor: Any, storage_key: str) -> bool:
+        """``BEGIN IMMEDIATE``, unless the key's lock is live (then False, and the
+        database's write lock was never taken).
+
+        The key is read before each try for the write lock, and a try does not wait
+        (busy timeout 0); between tries the key is read again, for as long as the
+        connection's busy timeout allows. SQLite's own wait would instead take the
+        write lock as soon as the current writer commits, even when that writer has
+        just taken the key: and a holder whose transaction goes from reading to writing
+        while another connection has the write lock fails at once ("database is
+        locked"), as SQLite does not wait in that case. So callers waiting for a held
+        key never take the write lock."""
+        wait_ms = int(fetch_value(cursor, "PRAGMA busy_timeout", []))
+        deadline = time.monotonic() + wait_ms / 1000
+        pause = 0.001
+        cursor.execute("PRAGMA busy_timeout = 0")
+        try:
+            while True:
+                try:
+                    if self._live(cursor, storage_key):
+                        return False
+                    cursor.execute("BEGIN IMMEDIATE")
+                    return True
+                except OperationalError as exc:
+                    if "is locked" not in str(exc) or time.monotonic() + pause > deadline:
+                        raise
+                time.sleep(pause)
+                pause = min(2 * pause, WRITE_LOCK_PAUSE_MAX_S)
+        finally:
+            cursor.execute(f"PRAGMA busy_timeout = {wait_ms}")
+
+    def _live(self, cursor: Any, storage_key: str) -> bool:
+        expires = fetch_value(cursor, SELECT_LOCK, [storage_key])
+        return expires is not None and is_live(int(expires), self.clock(), TIME_TOLERANCE_MS)
 
     def _read_then_write(
         self,
