@@ -77,9 +77,10 @@ def release_after(release: Callable[[], None], transactions: Sequence[BaseDataba
     pending = _Pending(release, len(transactions))
     for connection in transactions:
         # Django's own entry (savepoint ids, callback, robust), as on_commit() makes it
-        # (django-stubs still types the two-item form of Django < 4.2): under no
-        # savepoint, so that a savepoint rolled back inside the transaction keeps it;
-        # robust, so that an error cannot stop the hooks after it.
+        # (django-stubs still types the two-item form of Django < 4.2): under none of
+        # the code's own savepoints, so that one rolled back inside the transaction
+        # keeps it (see _savepoints_of_own_transaction); robust, so that an error
+        # cannot stop the hooks after it.
         hooks = cast(list[tuple[set[str], Callable[[], None], bool]], connection.run_on_commit)
         hook = _TransactionEnd(pending).committed
         hooks.append((_savepoints_of_own_transaction(connection), hook, True))

@@ -11,8 +11,8 @@ answered from a read); release and extend are single ``DELETE`` /
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from contextlib import suppress
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
 from functools import partial
 from typing import Any, ClassVar, TypeVar
 
@@ -205,14 +205,12 @@ class SqliteOperations(DatabaseOperations):
         while another connection has the write lock fails at once ("database is
         locked"), as SQLite does not wait in that case. So callers waiting for a held
         key never take the write lock."""
-        wait_ms = int(fetch_value(cursor, "PRAGMA busy_timeout", []))
-        deadline = time.monotonic() + wait_ms / 1000
         pause = 0.001
-        cursor.execute("PRAGMA busy_timeout = 0")
-        try:
+        with _busy_timeout(cursor, 0) as wait_ms:
+            deadline = time.monotonic() + wait_ms / 1000
             while True:
                 try:
-                    if self._live(cursor, storage_key):
+                    if self._live(cursor, storage_key, self.clock()):
                         return False
                     cursor.execute("BEGIN IMMEDIATE")
                     return True
@@ -221,12 +219,12 @@ class SqliteOperations(DatabaseOperations):
                         raise
                 time.sleep(pause)
                 pause = min(2 * pause, WRITE_LOCK_PAUSE_MAX_S)
-        finally:
-            cursor.execute(f"PRAGMA busy_timeout = {wait_ms}")
 
-    def _live(self, cursor: Any, storage_key: str) -> bool:
+    @staticmethod
+    def _live(cursor: Any, storage_key: str, now: int) -> bool:
+        """Whether a live lock holds ``storage_key`` at ``now``."""
         expires = fetch_value(cursor, SELECT_LOCK, [storage_key])
-        return expires is not None and is_live(int(expires), self.clock(), TIME_TOLERANCE_MS)
+        return expires is not None and is_live(int(expires), now, TIME_TOLERANCE_MS)
 
     def _read_then_write(
         self,
@@ -237,8 +235,7 @@ class SqliteOperations(DatabaseOperations):
         check_cancel: Callable[[], None],
     ) -> AcquireReply:
         now = self.clock()
-        current = fetch_value(cursor, SELECT_LOCK, [keys.storage_key])
-        if current is not None and is_live(int(current), now, TIME_TOLERANCE_MS):
+        if self._live(cursor, keys.storage_key, now):
             return LOCKED, None, None
         fence = int(fetch_value(cursor, SELECT_FENCE, [keys.fence_key]) or 0) + 1
         if fence > FENCE_MAX:
@@ -300,14 +297,22 @@ class SqliteOperations(DatabaseOperations):
         return self.run(lambda c: row_count(c, DELETE_EXPIRED, params))
 
 
-def _with_busy_timeout(timeout_ms: int, work: Callable[[Any], T], cursor: Any) -> T:
-    """``work(cursor)`` with SQLite's busy timeout at ``timeout_ms``, then as it was."""
-    before = fetch_value(cursor, "PRAGMA busy_timeout", [])
+@contextmanager
+def _busy_timeout(cursor: Any, timeout_ms: int) -> Iterator[int]:
+    """SQLite's busy timeout at ``timeout_ms`` for the block, then as it was; yields
+    the one it replaced."""
+    before = int(fetch_value(cursor, "PRAGMA busy_timeout", []))
     cursor.execute(f"PRAGMA busy_timeout = {int(timeout_ms)}")
     try:
-        return work(cursor)
+        yield before
     finally:
-        cursor.execute(f"PRAGMA busy_timeout = {int(before)}")
+        cursor.execute(f"PRAGMA busy_timeout = {before}")
+
+
+def _with_busy_timeout(timeout_ms: int, work: Callable[[Any], T], cursor: Any) -> T:
+    """``work(cursor)`` with SQLite's busy timeout at ``timeout_ms``, then as it was."""
+    with _busy_timeout(cursor, timeout_ms):
+        return work(cursor)
 
 
 # Which transactions of the application's own connections have written --------------
