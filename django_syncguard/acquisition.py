@@ -12,17 +12,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field, fields
 from functools import partial
-from typing import Any, TypedDict
+from typing import Any, Literal, TypedDict
 
 from . import signals
 from .cancellation import CancelToken, validate_cancel
 from .constants import DEFAULT_TTL_MS
 from .contract import LockBackend
-from .errors import InvalidArgument
+from .errors import AcquisitionTimeout, InvalidArgument
 from .handler import resolve_backend
 from .keys import hash_key, normalize_and_validate_key
 from .leases import Lease, pop_current, push_current
@@ -31,6 +31,9 @@ from .retry import Backoff, Jitter, RetryPolicy, aacquire_with_retry, acquire_wi
 from .signals import Outgoing
 from .transactions import open_transactions, release_after
 from .ttl import validate_ttl
+from .waiting import WaitSession, WaitTicket
+
+OnContended = Literal["wait", "skip", "raise"]
 
 logger = logging.getLogger("django_syncguard.acquisition")
 
@@ -57,6 +60,11 @@ class LockOptions(TypedDict, total=False):
     on_release_error: ReleaseErrorHandler | None
     auto_extend: bool
     until_commit: bool
+    on_contended: OnContended
+
+
+class Skipped(Exception):
+    """``on_contended="skip"`` found the key held: the caller returns ``None``."""
 
 
 @dataclass(frozen=True)
@@ -70,6 +78,7 @@ class LockSpec:
     on_release_error: ReleaseErrorHandler | None = None
     auto_extend: bool = False
     until_commit: bool = True
+    on_contended: OnContended = "wait"
 
     @classmethod
     def from_options(cls, caller: str, options: Mapping[str, Any]) -> LockSpec:
@@ -96,20 +105,21 @@ class LockSpec:
             raise InvalidArgument("auto_extend must be True or False.")
         if not isinstance(self.until_commit, bool):
             raise InvalidArgument("until_commit must be True or False.")
+        if self.on_contended not in ("wait", "skip", "raise"):
+            raise InvalidArgument(
+                f"on_contended must be 'wait', 'skip' or 'raise', not {self.on_contended!r}."
+            )
 
     @contextmanager
     def hold(self, key: str) -> Iterator[Lease]:
-        """Acquire (with retries), yield the lease, always release."""
+        """Acquire (waiting as ``on_contended`` says), yield the lease, always release.
+
+        Raises :class:`Skipped` when ``on_contended="skip"`` finds the key held.
+        """
         key = normalize_and_validate_key(key)
         backend = resolve_backend(self.using)
         attempts = _Attempts(backend, key)
-
-        def attempt() -> AcquireResult:
-            result = backend.acquire(key, self.ttl_ms, cancel=self.cancel)
-            signals.send(attempts.count(result))
-            return result
-
-        result = acquire_with_retry(attempt, self.policy, key=key, cancel=self.cancel)
+        result = self._take(backend, key, attempts)
         lease = Lease(backend, key, result, self.ttl_ms)
         token = push_current(lease)
         try:
@@ -128,13 +138,7 @@ class LockSpec:
         key = normalize_and_validate_key(key)
         backend = resolve_backend(self.using)
         attempts = _Attempts(backend, key)
-
-        async def attempt() -> AcquireResult:
-            result = await backend.aacquire(key, self.ttl_ms, cancel=self.cancel)
-            await signals.asend(attempts.count(result))
-            return result
-
-        result = await aacquire_with_retry(attempt, self.policy, key=key, cancel=self.cancel)
+        result = await self._atake(backend, key, attempts)
         lease = Lease(backend, key, result, self.ttl_ms)
         token = push_current(lease)
         try:
@@ -150,6 +154,75 @@ class LockSpec:
                 await asyncio.shield(lease.arelease())
             except Exception as exc:
                 self._release_failed(exc, lease)
+
+    def _take(self, backend: LockBackend, key: str, attempts: _Attempts) -> AcquireResult:
+        """One attempt (``"skip"``, ``"raise"``), or the waiting loop with a queue ticket
+        and wake-ups when the backend offers them (``"wait"``)."""
+
+        def attempt(ticket: WaitTicket | None = None) -> AcquireResult:
+            extra = {} if ticket is None else {"ticket": ticket}
+            result = backend.acquire(key, self.ttl_ms, cancel=self.cancel, **extra)
+            signals.send(attempts.count(result))
+            return result
+
+        if self.on_contended != "wait":
+            return self._checked_single(attempt(), key)
+        session = _open_session(backend, key)
+        if session is None:
+            return acquire_with_retry(attempt, self.policy, key=key, cancel=self.cancel)
+        try:
+            return acquire_with_retry(
+                partial(_queued, attempt, session),
+                self.policy,
+                key=key,
+                cancel=self.cancel,
+                session=session,
+            )
+        except BaseException:
+            _withdraw(backend, key, session)
+            raise
+        finally:
+            session.close()
+
+    async def _atake(self, backend: LockBackend, key: str, attempts: _Attempts) -> AcquireResult:
+        """Async twin of :meth:`_take`."""
+
+        async def attempt(ticket: WaitTicket | None = None) -> AcquireResult:
+            extra = {} if ticket is None else {"ticket": ticket}
+            result = await backend.aacquire(key, self.ttl_ms, cancel=self.cancel, **extra)
+            await signals.asend(attempts.count(result))
+            return result
+
+        if self.on_contended != "wait":
+            return self._checked_single(await attempt(), key)
+        session = await _aopen_session(backend, key)
+        if session is None:
+            return await aacquire_with_retry(attempt, self.policy, key=key, cancel=self.cancel)
+        try:
+            return await aacquire_with_retry(
+                partial(_aqueued, attempt, session),
+                self.policy,
+                key=key,
+                cancel=self.cancel,
+                session=session,
+            )
+        except BaseException:
+            # Shielded: a cancelled waiter still gives its place up.
+            await asyncio.shield(_awithdraw(backend, key, session))
+            raise
+        finally:
+            session.close()
+
+    def _checked_single(self, result: AcquireResult, key: str) -> AcquireResult:
+        if result.ok:
+            return result
+        if self.on_contended == "skip":
+            raise Skipped(key)
+        key_hash = hash_key(key)
+        raise AcquisitionTimeout(
+            f"Lock on key {key_hash} is held (on_contended='raise': one attempt, no wait).",
+            context={"key": key, "key_hash": key_hash},
+        )
 
     def _end(self, lease: Lease) -> None:
         """Release now, or, with ``until_commit`` inside ``transaction.atomic()``, when
@@ -191,6 +264,59 @@ class LockSpec:
 #: The option names, and those of them that :class:`RetryPolicy` holds.
 OPTION_NAMES = frozenset(LockOptions.__annotations__)
 RETRY_OPTIONS = frozenset(f.name for f in fields(RetryPolicy))
+
+
+def _queued(attempt: Callable[[WaitTicket], AcquireResult], session: WaitSession) -> AcquireResult:
+    """An attempt with the session's ticket; contention means the ticket is queued."""
+    result = attempt(session.ticket)
+    session.queued = session.queued or not result.ok
+    return result
+
+
+async def _aqueued(
+    attempt: Callable[[WaitTicket], Awaitable[AcquireResult]], session: WaitSession
+) -> AcquireResult:
+    result = await attempt(session.ticket)
+    session.queued = session.queued or not result.ok
+    return result
+
+
+def _open_session(backend: LockBackend, key: str) -> WaitSession | None:
+    """A ticket and a listener registered before the first attempt, so no wake-up is
+    lost; ``None`` when the backend has no queues (or ``WAKE_UPS`` is off)."""
+    wake_ups = getattr(backend, "wake_ups", None)
+    if wake_ups is None:
+        return None
+    ticket = WaitTicket.new()
+    return WaitSession(wake_ups.listen(key, ticket.id), ticket)
+
+
+async def _aopen_session(backend: LockBackend, key: str) -> WaitSession | None:
+    wake_ups = getattr(backend, "wake_ups", None)
+    if wake_ups is None:
+        return None
+    ticket = WaitTicket.new()
+    return WaitSession(await wake_ups.alisten(key, ticket.id), ticket)
+
+
+def _withdraw(backend: Any, key: str, session: WaitSession) -> None:
+    """Give up a queued ticket (best effort: an unreachable server drops it by its
+    patience)."""
+    if not session.queued:
+        return
+    try:
+        backend.withdraw(key, session.ticket.id)
+    except Exception as exc:
+        logger.debug("Withdrawing a wait ticket on key %s failed: %r", hash_key(key), exc)
+
+
+async def _awithdraw(backend: Any, key: str, session: WaitSession) -> None:
+    if not session.queued:
+        return
+    try:
+        await backend.awithdraw(key, session.ticket.id)
+    except Exception as exc:
+        logger.debug("Withdrawing a wait ticket on key %s failed: %r", hash_key(key), exc)
 
 
 class _Attempts:

@@ -27,7 +27,7 @@ from contextvars import ContextVar
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
-from .acquisition import LockOptions, LockSpec
+from .acquisition import LockOptions, LockSpec, Skipped
 from .errors import InvalidArgument
 from .key_templates import KeyTemplate
 from .leases import Lease
@@ -66,20 +66,34 @@ class locked:  # noqa: N801 - used like a function, as contextlib's helpers are
 
             @functools.wraps(fn)
             async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
-                async with self.spec.ahold(render(args, kwargs)):
-                    return await fn(*args, **kwargs)
+                try:
+                    async with self.spec.ahold(render(args, kwargs)):
+                        return await fn(*args, **kwargs)
+                except Skipped:  # on_contended="skip": the key was held
+                    return None
 
             return cast(F, async_wrapper)
 
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            with self.spec.hold(render(args, kwargs)):
-                return fn(*args, **kwargs)
+            try:
+                with self.spec.hold(render(args, kwargs)):
+                    return fn(*args, **kwargs)
+            except Skipped:  # on_contended="skip": the key was held
+                return None
 
         return cast(F, wrapper)
 
     # ------------------------------------------------------- context manager
+    def _refuse_skip(self) -> None:
+        if self.spec.on_contended == "skip":
+            raise InvalidArgument(
+                "on_contended='skip' cannot skip a with block (the block would run "
+                "unlocked); decorate a function instead, or use 'raise'."
+            )
+
     def __enter__(self) -> Lease:
+        self._refuse_skip()
         manager = self.spec.hold(self.template.literal_key())
         lease = manager.__enter__()
         _entered.set((*_entered.get(), manager))
@@ -97,6 +111,7 @@ class locked:  # noqa: N801 - used like a function, as contextlib's helpers are
         cast(AbstractContextManager[Lease], manager).__exit__(exc_type, exc, tb)
 
     async def __aenter__(self) -> Lease:
+        self._refuse_skip()
         manager = self.spec.ahold(self.template.literal_key())
         lease = await manager.__aenter__()
         _entered.set((*_entered.get(), manager))

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, TypeVar, cast
 
-from .acquisition import LockOptions, LockSpec
+from .acquisition import LockOptions, LockSpec, Skipped
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -27,15 +27,23 @@ def lock(fn: Callable[[], T], *, key: str, **options: Unpack[LockOptions]) -> T:
     ``on_release_error(error, {"key", "lock_id"})`` (or the log) and never replace
     ``fn``'s result or exception. ``current_lock()`` is the lease inside ``fn``.
     ``key`` is used as it is: ``<...>`` in it is not a placeholder.
+    With ``on_contended="skip"`` a held key returns ``None`` without calling ``fn``;
+    with ``"raise"`` it raises ``AcquisitionTimeout`` after one attempt.
     """
-    with LockSpec.from_options("lock", options).hold(key):
-        return fn()
+    try:
+        with LockSpec.from_options("lock", options).hold(key):
+            return fn()
+    except Skipped:  # on_contended="skip": fn was not called
+        return cast(T, None)
 
 
 async def alock(fn: Callable[[], Awaitable[T]], *, key: str, **options: Unpack[LockOptions]) -> T:
     """Async twin of :func:`lock`: ``fn`` is a coroutine function (or returns an awaitable)."""
-    async with LockSpec.from_options("alock", options).ahold(key):
-        outcome = fn()
-        if inspect.isawaitable(outcome):
-            return await outcome
-        return outcome
+    try:
+        async with LockSpec.from_options("alock", options).ahold(key):
+            outcome = fn()
+            if inspect.isawaitable(outcome):
+                return await outcome
+            return outcome
+    except Skipped:  # on_contended="skip": fn was not called
+        return cast(T, None)

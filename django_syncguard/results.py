@@ -41,10 +41,13 @@ class AcquireResult:
     expires_at_ms: int | None = None
     fence: str | None = None
     reason: Literal["locked"] | None = None
+    #: On contention with a wait ticket: the ticket's 0-based place among the live
+    #: waiters, when the backend knows it (a diagnostic; not part of equality).
+    queue_position: int | None = field(default=None, compare=False)
 
     @classmethod
-    def locked(cls) -> AcquireResult:
-        return cls(ok=False, reason="locked")
+    def locked(cls, queue_position: int | None = None) -> AcquireResult:
+        return cls(ok=False, reason="locked", queue_position=queue_position)
 
     def to_dict(self) -> dict[str, Any]:
         if not self.ok:

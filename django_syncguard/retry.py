@@ -21,7 +21,7 @@ import random
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from .cancellation import CancelToken, asleep, sleep
 from .constants import (
@@ -34,6 +34,9 @@ from .constants import (
 from .errors import AcquisitionTimeout, InvalidArgument
 from .keys import hash_key
 from .results import AcquireResult
+
+if TYPE_CHECKING:
+    from .waiting import WaitSession
 
 Backoff = Literal["exponential", "fixed"]
 Jitter = Literal["equal", "full", "none"]
@@ -115,6 +118,9 @@ class _Loop:
             raise self._timeout(f"{self.policy.timeout_ms:g} ms ({attempts} attempts)")
         return min(self.policy.delay_ms(attempts, self.rng), remaining) / 1000
 
+    def remaining_s(self) -> float:
+        return max(self.policy.timeout_ms / 1000 - (self.clock() - self.started), 0.0)
+
     def _timeout(self, after: str) -> AcquisitionTimeout:
         """The error for giving up; it names the key by its hash (the raw key is in the
         context only, as logs and error trackers show messages)."""
@@ -134,15 +140,25 @@ def acquire_with_retry(
     clock: Callable[[], float] = time.monotonic,
     sleeper: Callable[[float, CancelToken | None], None] = sleep,
     rng: Callable[[], float] = _rng.random,
+    session: WaitSession | None = None,
 ) -> AcquireResult:
-    """Call ``acquire`` until it succeeds, backing off between attempts."""
+    """Call ``acquire`` until it succeeds, backing off between attempts.
+
+    With a wait ``session`` the pause between attempts ends early when a release
+    wakes it (see :mod:`~django_syncguard.waiting`); the backoff delay still bounds
+    how long a waiter whose wake-ups may be lost goes without an attempt.
+    """
     loop = _Loop(policy, clock, rng, key)
     loop.start()
     while True:
         result = acquire()
         if result.ok:
             return result
-        sleeper(loop.next_delay_s(), cancel)
+        delay = loop.next_delay_s()
+        if session is None:
+            sleeper(delay, cancel)
+        else:
+            session.pause(delay, loop.remaining_s(), cancel, result.queue_position)
 
 
 async def aacquire_with_retry(
@@ -154,6 +170,7 @@ async def aacquire_with_retry(
     clock: Callable[[], float] = time.monotonic,
     sleeper: Callable[[float, CancelToken | None], Awaitable[None]] = asleep,
     rng: Callable[[], float] = _rng.random,
+    session: WaitSession | None = None,
 ) -> AcquireResult:
     """Async twin of :func:`acquire_with_retry`."""
     loop = _Loop(policy, clock, rng, key)
@@ -162,4 +179,8 @@ async def aacquire_with_retry(
         result = await acquire()
         if result.ok:
             return result
-        await sleeper(loop.next_delay_s(), cancel)
+        delay = loop.next_delay_s()
+        if session is None:
+            await sleeper(delay, cancel)
+        else:
+            await session.apause(delay, loop.remaining_s(), cancel, result.queue_position)

@@ -96,16 +96,18 @@ class TelemetryBackend(SanitizedLookups):
 
     # Each operation: forward, then report.
     def acquire(
-        self, key: str, ttl_ms: int = DEFAULT_TTL_MS, *, cancel: Any = None
+        self, key: str, ttl_ms: int = DEFAULT_TTL_MS, *, cancel: Any = None, **ticket: Any
     ) -> AcquireResult:
-        result = self.inner.acquire(key, ttl_ms, cancel=cancel)
+        # ``ticket=`` (a waiter's) is passed on only when given: a wrapped backend
+        # without queues need not know the argument.
+        result = self.inner.acquire(key, ttl_ms, cancel=cancel, **ticket)
         self._acquired(key, result)
         return result
 
     async def aacquire(
-        self, key: str, ttl_ms: int = DEFAULT_TTL_MS, *, cancel: Any = None
+        self, key: str, ttl_ms: int = DEFAULT_TTL_MS, *, cancel: Any = None, **ticket: Any
     ) -> AcquireResult:
-        result = await self.inner.aacquire(key, ttl_ms, cancel=cancel)
+        result = await self.inner.aacquire(key, ttl_ms, cancel=cancel, **ticket)
         self._acquired(key, result)
         return result
 

@@ -32,6 +32,7 @@ def test_each_option_has_one_home_the_spec_or_its_retry_policy():
         "on_release_error",
         "auto_extend",
         "until_commit",
+        "on_contended",
     } == OPTION_NAMES
 
 

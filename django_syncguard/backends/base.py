@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import difflib
 import logging
+import threading
 import unicodedata
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping
@@ -43,6 +44,7 @@ from ..results import (
     TimeAuthority,
 )
 from ..ttl import MAX_TTL_MS, validate_ttl
+from ..waiting import WaitTicket, WakeUps
 
 logger = logging.getLogger("django_syncguard.backends")
 
@@ -128,7 +130,7 @@ class BaseLockBackend(SanitizedLookups, ABC):
     supports_fencing: ClassVar[bool] = True
     #: Options every backend accepts; subclasses extend it.
     known_options: ClassVar[frozenset[str]] = frozenset(
-        {"CLEANUP_IN_IS_LOCKED", "CONNECT_TIMEOUT_MS", "OPERATION_TIMEOUT_MS"}
+        {"CLEANUP_IN_IS_LOCKED", "CONNECT_TIMEOUT_MS", "OPERATION_TIMEOUT_MS", "WAKE_UPS"}
     )
     #: Whether keys share a namespace that ``KEY_PREFIX`` divides (Redis); elsewhere
     #: tables or collections keep applications apart and ``KEY_PREFIX`` is refused.
@@ -154,6 +156,13 @@ class BaseLockBackend(SanitizedLookups, ABC):
         if not isinstance(cleanup, bool):
             raise InvalidArgument("OPTIONS['CLEANUP_IN_IS_LOCKED'] must be True or False.")
         self.cleanup_in_is_locked: bool = cleanup
+        wake_ups = self.options.get("WAKE_UPS", True)
+        if not isinstance(wake_ups, bool):
+            raise InvalidArgument("OPTIONS['WAKE_UPS'] must be True or False.")
+        #: False: waiters back off on the timer alone, without a queue (as before
+        #: fair, notified waiting existed).
+        self.wake_ups_enabled: bool = wake_ups
+        self._wake_ups_mutex = threading.Lock()
         self.connect_timeout_ms = option_ms(
             self.options, "CONNECT_TIMEOUT_MS", DEFAULT_CONNECT_TIMEOUT_MS
         )
@@ -212,23 +221,63 @@ class BaseLockBackend(SanitizedLookups, ABC):
         none (construction errors are ``syncguard.E003``). No I/O."""
         return []
 
+    @property
+    def wake_ups(self) -> WakeUps | None:
+        """This process's wake-up registry for this alias, or ``None`` when waiters
+        only back off (``OPTIONS["WAKE_UPS"] = False``, or a backend without queues).
+        Built on first use: a backend that is never waited on opens no channel."""
+        if not self.wake_ups_enabled:
+            return None
+        with self._wake_ups_mutex:
+            built: WakeUps | None = self.__dict__.get("_wake_ups_built")
+            if built is None:
+                built = self._make_wake_ups()
+                self.__dict__["_wake_ups_built"] = built
+            return built
+
     # ----------------------------------------------------------------- public API
     def acquire(
-        self, key: str, ttl_ms: int = DEFAULT_TTL_MS, *, cancel: Any = None
+        self,
+        key: str,
+        ttl_ms: int = DEFAULT_TTL_MS,
+        *,
+        cancel: Any = None,
+        ticket: WaitTicket | None = None,
     ) -> AcquireResult:
         """Try once to take ``key`` for ``ttl_ms`` milliseconds.
 
         Returns ``AcquireResult(ok=True, lock_id, expires_at_ms, fence)`` or
         ``AcquireResult(ok=False, reason="locked")``; raises ``LockError`` on failure.
+        With a ``ticket`` (a waiter's; see :mod:`~django_syncguard.waiting`) a held key
+        queues the ticket, and a free key is taken only by the first live ticket.
         """
         key, ttl_ms, cancel = self._key_args(key, cancel, ttl_ms)
-        return self._checked_acquire(self._acquire(key, ttl_ms, cancel), key)
+        ticket = self._ticket_arg(ticket)
+        return self._checked_acquire(self._acquire(key, ttl_ms, cancel, ticket), key)
 
     async def aacquire(
-        self, key: str, ttl_ms: int = DEFAULT_TTL_MS, *, cancel: Any = None
+        self,
+        key: str,
+        ttl_ms: int = DEFAULT_TTL_MS,
+        *,
+        cancel: Any = None,
+        ticket: WaitTicket | None = None,
     ) -> AcquireResult:
         key, ttl_ms, cancel = self._key_args(key, cancel, ttl_ms)
-        return self._checked_acquire(await self._aacquire(key, ttl_ms, cancel), key)
+        ticket = self._ticket_arg(ticket)
+        return self._checked_acquire(await self._aacquire(key, ttl_ms, cancel, ticket), key)
+
+    def withdraw(self, key: str, ticket_id: str) -> None:
+        """Take ``ticket_id`` out of ``key``'s queue (a waiter gives up); when the key
+        is free, the next live waiter is woken. Nothing to do without queues."""
+        key, _, _ = self._key_args(key, None)
+        if self.wake_ups is not None:
+            self._withdraw(key, validate_lock_id(ticket_id))
+
+    async def awithdraw(self, key: str, ticket_id: str) -> None:
+        key, _, _ = self._key_args(key, None)
+        if self.wake_ups is not None:
+            await self._awithdraw(key, validate_lock_id(ticket_id))
 
     def release(self, lock_id: str, *, cancel: Any = None) -> ReleaseResult:
         """Release the lock ``lock_id`` names. ``ok=False`` when it was already gone.
@@ -349,7 +398,22 @@ class BaseLockBackend(SanitizedLookups, ABC):
         return []
 
     def close(self, **kwargs: Any) -> None:
-        """Release connections; the handler calls it when settings change."""
+        """Release connections; the handler calls it when settings change.
+        Subclasses that override it call ``super().close()``."""
+        built: WakeUps | None = self.__dict__.pop("_wake_ups_built", None)
+        if built is not None:
+            built.close()
+
+    def _make_wake_ups(self) -> WakeUps | None:
+        """Build this backend's :class:`~django_syncguard.waiting.WakeUps` (``None``:
+        no queues; waiters back off on the timer alone)."""
+        return None
+
+    def _withdraw(self, key: str, ticket_id: str) -> None:
+        """Storage I/O of :meth:`withdraw` (backends with queues)."""
+
+    async def _awithdraw(self, key: str, ticket_id: str) -> None:
+        await self._in_thread(self._withdraw, key, ticket_id)
 
     # ------------------------------------------------------------ storage I/O
     @abstractmethod
@@ -366,8 +430,11 @@ class BaseLockBackend(SanitizedLookups, ABC):
         yielding each batch's count (see :class:`BatchedCleanup`)."""
 
     @abstractmethod
-    def _acquire(self, key: str, ttl_ms: int, cancel: CancelToken | None) -> AcquireResult:
-        """Storage I/O of :meth:`acquire`."""
+    def _acquire(
+        self, key: str, ttl_ms: int, cancel: CancelToken | None, ticket: WaitTicket | None = None
+    ) -> AcquireResult:
+        """Storage I/O of :meth:`acquire`; ``ticket`` is only ever passed when
+        :meth:`_make_wake_ups` built a registry (the backend keeps queues)."""
 
     @abstractmethod
     def _release(self, lock_id: str, cancel: CancelToken | None) -> ReleaseResult:
@@ -391,8 +458,10 @@ class BaseLockBackend(SanitizedLookups, ABC):
 
     # Async twins default to the sync I/O in a worker thread; backends with a native
     # async client override them.
-    async def _aacquire(self, key: str, ttl_ms: int, cancel: CancelToken | None) -> AcquireResult:
-        return await self._in_thread(self._acquire, key, ttl_ms, cancel)
+    async def _aacquire(
+        self, key: str, ttl_ms: int, cancel: CancelToken | None, ticket: WaitTicket | None = None
+    ) -> AcquireResult:
+        return await self._in_thread(self._acquire, key, ttl_ms, cancel, ticket)
 
     async def _arelease(self, lock_id: str, cancel: CancelToken | None) -> ReleaseResult:
         return await self._in_thread(self._release, lock_id, cancel)
@@ -456,9 +525,19 @@ class BaseLockBackend(SanitizedLookups, ABC):
         lock_id, _, cancel = self._id_args(lock_id, cancel)
         return False, lock_id, cancel
 
+    def _ticket_arg(self, ticket: Any) -> WaitTicket | None:
+        if ticket is None:
+            return None
+        if not isinstance(ticket, WaitTicket):
+            raise InvalidArgument(f"ticket must be a WaitTicket, not {type(ticket).__name__}.")
+        validate_lock_id(ticket.id)
+        if self.wake_ups is None:
+            return None  # no queues here: the waiter backs off on its timer
+        return ticket
+
     def _checked_acquire(self, result: AcquireResult, key: str) -> AcquireResult:
         if not result.ok:
-            return AcquireResult.locked()
+            return AcquireResult.locked(result.queue_position)
         if result.lock_id is None or result.expires_at_ms is None:
             raise Internal(f"{self.backend_name} returned an incomplete acquire result.")
         if self.supports_fencing:

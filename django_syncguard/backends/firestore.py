@@ -43,6 +43,7 @@ from ..fencing import FENCE_MAX, fence_overflow_error, format_fence
 from ..keys import generate_lock_id, hash_storage_key, make_storage_key
 from ..liveness import is_live
 from ..results import AcquireResult, ExtendResult, LockPage, LockRecord, ReleaseResult
+from ..waiting import WaitTicket
 from .base import BaseLockBackend, BatchedCleanup, mapping_option
 
 logger = logging.getLogger("django_syncguard.backends.firestore")
@@ -220,6 +221,7 @@ class FirestoreBackend(BatchedCleanup, BaseLockBackend):
         return client
 
     def close(self, **kwargs: Any) -> None:
+        super().close()
         if self._client is not None:
             self._client.close()
             self._client = None
@@ -348,7 +350,9 @@ class FirestoreBackend(BatchedCleanup, BaseLockBackend):
     # write, and nothing was written. Usually another client took the lock: the next
     # read sees it live and answers "locked". But cleanup deleting the expired document
     # also fails the guard, and then the key is free: so read again rather than guess.
-    def _acquire(self, key: str, ttl_ms: int, cancel: CancelToken | None) -> AcquireResult:
+    def _acquire(
+        self, key: str, ttl_ms: int, cancel: CancelToken | None, ticket: WaitTicket | None = None
+    ) -> AcquireResult:
         refs = self._refs(key)
         for _ in range(CONFLICT_ATTEMPTS):
             snaps = self._call(lambda: list(self.client.get_all(list(refs))))
@@ -361,7 +365,9 @@ class FirestoreBackend(BatchedCleanup, BaseLockBackend):
                 return result
         return AcquireResult.locked()  # the lock kept changing under us: contention
 
-    async def _aacquire(self, key: str, ttl_ms: int, cancel: CancelToken | None) -> AcquireResult:
+    async def _aacquire(
+        self, key: str, ttl_ms: int, cancel: CancelToken | None, ticket: WaitTicket | None = None
+    ) -> AcquireResult:
         client = self.aclient()
         refs = self._refs(key, client)
         for _ in range(CONFLICT_ATTEMPTS):

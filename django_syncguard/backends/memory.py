@@ -26,6 +26,7 @@ from ..fencing import FENCE_MAX, fence_overflow_error, format_fence
 from ..keys import generate_lock_id
 from ..liveness import Clock, is_live, system_clock_ms
 from ..results import AcquireResult, ExtendResult, LockPage, LockRecord, ReleaseResult
+from ..waiting import Queue, WaitTicket, WakeUps, queue_admits, queue_head
 from .base import BaseLockBackend, BatchedCleanup
 
 
@@ -35,6 +36,9 @@ class _Store:
     locks: dict[str, LockRecord] = field(default_factory=dict)
     index: dict[str, str] = field(default_factory=dict)  # lock_id -> key
     fences: dict[str, int] = field(default_factory=dict)  # key -> last fence
+    queues: dict[str, Queue] = field(default_factory=dict)  # key -> its waiters
+    arrivals: int = 0  # numbers queue entries in arrival order
+    wake_ups: WakeUps = field(default_factory=lambda: WakeUps("memory"))
 
 
 _stores: dict[str, _Store] = {}
@@ -89,14 +93,24 @@ class MemoryBackend(BatchedCleanup, BaseLockBackend):
             self._store.locks.clear()
             self._store.index.clear()
             self._store.fences.clear()
+            self._store.queues.clear()
 
-    def _acquire(self, key: str, ttl_ms: int, cancel: CancelToken | None) -> AcquireResult:
+    def _make_wake_ups(self) -> WakeUps:
+        # Every release of this store happens in this process: waiters sleep on an
+        # event that the release sets, the condition-variable pattern across backends.
+        return self._store.wake_ups
+
+    def _acquire(
+        self, key: str, ttl_ms: int, cancel: CancelToken | None, ticket: WaitTicket | None = None
+    ) -> AcquireResult:
         store = self._store
         with store.mutex:
             now = self.clock()
             current = store.locks.get(key)
-            if current is not None and is_live(current.expires_at_ms, now, TIME_TOLERANCE_MS):
-                return AcquireResult.locked()
+            free = current is None or not is_live(current.expires_at_ms, now, TIME_TOLERANCE_MS)
+            take, position = self._admit(key, now, free, ticket)
+            if not take:
+                return AcquireResult.locked(position)
             fence = store.fences.get(key, 0) + 1
             if fence > FENCE_MAX:
                 raise fence_overflow_error(key)
@@ -120,6 +134,40 @@ class MemoryBackend(BatchedCleanup, BaseLockBackend):
                 fence=record.fence,
             )
 
+    def _admit(
+        self, key: str, now: int, free: bool, ticket: WaitTicket | None
+    ) -> tuple[bool, int | None]:
+        """The queue rule (see :mod:`~django_syncguard.waiting`). Caller holds the mutex."""
+        store = self._store
+        queue = store.queues.get(key)
+        if queue is None and (free or ticket is None):
+            return free, None  # the common case: nobody waits
+        queue = store.queues.setdefault(key, {})
+        store.arrivals += 1
+        take, position = queue_admits(queue, now, free=free, ticket=ticket, arrival=store.arrivals)
+        if not queue:
+            del store.queues[key]
+        return take, position
+
+    def _wake_next(self, key: str, now: int) -> None:
+        """Wake the first live waiter of ``key``, now free. Caller holds the mutex."""
+        queue = self._store.queues.get(key)
+        head = queue_head(queue, now) if queue is not None else None
+        if queue is not None and head is None:
+            del self._store.queues[key]
+        if head is not None:
+            self._store.wake_ups.deliver(key, head)
+
+    def _withdraw(self, key: str, ticket_id: str) -> None:
+        with self._store.mutex:
+            queue = self._store.queues.get(key)
+            if queue is None or queue.pop(ticket_id, None) is None:
+                return
+            now = self.clock()
+            current = self._store.locks.get(key)
+            if current is None or not is_live(current.expires_at_ms, now, TIME_TOLERANCE_MS):
+                self._wake_next(key, now)
+
     def _owned(self, lock_id: str, now: int) -> tuple[LockRecord | None, str]:
         """The live record ``lock_id`` names, or ``None`` and why. Caller holds the mutex."""
         key = self._store.index.get(lock_id)
@@ -138,6 +186,7 @@ class MemoryBackend(BatchedCleanup, BaseLockBackend):
                 return ReleaseResult(ok=False, reason=reason)  # type: ignore[arg-type]
             check_cancel(cancel, {"lock_id": lock_id})
             self._drop(record)
+            self._wake_next(record.key, self.clock())
             return ReleaseResult(ok=True)
 
     def _extend(self, lock_id: str, ttl_ms: int, cancel: CancelToken | None) -> ExtendResult:
@@ -221,8 +270,13 @@ class MemoryBackend(BatchedCleanup, BaseLockBackend):
         return record
 
     # Memory I/O never blocks: the async twins run inline, on the event loop.
-    async def _aacquire(self, key: str, ttl_ms: int, cancel: CancelToken | None) -> AcquireResult:
-        return self._acquire(key, ttl_ms, cancel)
+    async def _aacquire(
+        self, key: str, ttl_ms: int, cancel: CancelToken | None, ticket: WaitTicket | None = None
+    ) -> AcquireResult:
+        return self._acquire(key, ttl_ms, cancel, ticket)
+
+    async def _awithdraw(self, key: str, ticket_id: str) -> None:
+        self._withdraw(key, ticket_id)
 
     async def _arelease(self, lock_id: str, cancel: CancelToken | None) -> ReleaseResult:
         return self._release(lock_id, cancel)

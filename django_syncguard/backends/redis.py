@@ -48,6 +48,7 @@ from ..errors import (
 from ..fencing import FENCE_MAX, fence_overflow_error, format_fence
 from ..keys import generate_lock_id, make_storage_key
 from ..results import AcquireResult, ExtendResult, LockPage, LockRecord, ReleaseResult
+from ..waiting import WaitTicket
 from .base import BaseLockBackend, mapping_option, positive_int_option
 
 if TYPE_CHECKING:
@@ -397,6 +398,7 @@ class RedisBackend(BaseLockBackend):
 
     def close(self, **kwargs: Any) -> None:
         self.client.close()
+        super().close()
         self._async = weakref.WeakKeyDictionary()
 
     # ----------------------------------------------------------- operations
@@ -417,11 +419,15 @@ class RedisBackend(BaseLockBackend):
             ok=True, lock_id=lock_id, expires_at_ms=int(reply[2]), fence=format_fence(int(reply[1]))
         )
 
-    def _acquire(self, key: str, ttl_ms: int, cancel: CancelToken | None) -> AcquireResult:
+    def _acquire(
+        self, key: str, ttl_ms: int, cancel: CancelToken | None, ticket: WaitTicket | None = None
+    ) -> AcquireResult:
         keys, args, lock_id = self._acquire_args(key, ttl_ms)
         return self._acquired(self._call("acquire", keys, args), key, lock_id)
 
-    async def _aacquire(self, key: str, ttl_ms: int, cancel: CancelToken | None) -> AcquireResult:
+    async def _aacquire(
+        self, key: str, ttl_ms: int, cancel: CancelToken | None, ticket: WaitTicket | None = None
+    ) -> AcquireResult:
         keys, args, lock_id = self._acquire_args(key, ttl_ms)
         return self._acquired(await self._acall("acquire", keys, args), key, lock_id)
 

@@ -23,6 +23,7 @@ from ...results import (
     ReleaseResult,
     TimeAuthority,
 )
+from ...waiting import WaitTicket
 from ..base import BaseLockBackend, BatchedCleanup
 from .connections import PrivateConnections
 from .operations import FENCE_OVERFLOW, LOCKED, DatabaseOperations, Row, StorageKeys
@@ -90,6 +91,7 @@ class DatabaseBackend(BatchedCleanup, BaseLockBackend):
 
     def close(self, **kwargs: Any) -> None:
         """Close every private connection this backend opened, in any thread."""
+        super().close()
         self.connections.close()
 
     # ----------------------------------------------------------------- helpers
@@ -112,7 +114,9 @@ class DatabaseBackend(BatchedCleanup, BaseLockBackend):
         return self.ops.now_ms()
 
     # ------------------------------------------------------------- operations
-    def _acquire(self, key: str, ttl_ms: int, cancel: CancelToken | None) -> AcquireResult:
+    def _acquire(
+        self, key: str, ttl_ms: int, cancel: CancelToken | None, ticket: WaitTicket | None = None
+    ) -> AcquireResult:
         lock_id = generate_lock_id()
         check_cancelled = partial(check_cancel, cancel, {"key": key})
         status, fence, expires = self.ops.acquire(
