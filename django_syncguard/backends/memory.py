@@ -163,6 +163,9 @@ class MemoryBackend(BatchedCleanup, BaseLockBackend):
             queue = self._store.queues.get(key)
             if queue is None or queue.pop(ticket_id, None) is None:
                 return
+            if not queue:
+                del self._store.queues[key]
+                return
             now = self.clock()
             current = self._store.locks.get(key)
             if current is None or not is_live(current.expires_at_ms, now, TIME_TOLERANCE_MS):
