@@ -157,22 +157,29 @@ class LockSpec:
 
     def _take(self, backend: LockBackend, key: str, attempts: _Attempts) -> AcquireResult:
         """One attempt (``"skip"``, ``"raise"``), or the waiting loop with a queue ticket
-        and wake-ups when the backend offers them (``"wait"``)."""
+        and wake-ups when the backend offers them (``"wait"``). Signals count attempts
+        as the retry loop does: the queueing request a wait session adds to its first
+        contended attempt is part of that attempt."""
 
-        def attempt(ticket: WaitTicket | None = None) -> AcquireResult:
+        def request(ticket: WaitTicket | None = None) -> AcquireResult:
             extra = {} if ticket is None else {"ticket": ticket}
-            result = backend.acquire(key, self.ttl_ms, cancel=self.cancel, **extra)
+            return backend.acquire(key, self.ttl_ms, cancel=self.cancel, **extra)
+
+        def counted(result: AcquireResult) -> AcquireResult:
             signals.send(attempts.count(result))
             return result
 
         if self.on_contended != "wait":
-            return self._checked_single(attempt(), key)
-        session = _open_session(backend, key)
-        if session is None:
-            return acquire_with_retry(attempt, self.policy, key=key, cancel=self.cancel)
+            return self._checked_single(counted(request()), key)
+        wake_ups = getattr(backend, "wake_ups", None)
+        if wake_ups is None:
+            return acquire_with_retry(
+                lambda: counted(request()), self.policy, key=key, cancel=self.cancel
+            )
+        session = WaitSession(wake_ups, key)
         try:
             return acquire_with_retry(
-                partial(_queued, attempt, session),
+                lambda: counted(session.attempt(request)),
                 self.policy,
                 key=key,
                 cancel=self.cancel,
@@ -187,20 +194,26 @@ class LockSpec:
     async def _atake(self, backend: LockBackend, key: str, attempts: _Attempts) -> AcquireResult:
         """Async twin of :meth:`_take`."""
 
-        async def attempt(ticket: WaitTicket | None = None) -> AcquireResult:
+        async def request(ticket: WaitTicket | None = None) -> AcquireResult:
             extra = {} if ticket is None else {"ticket": ticket}
-            result = await backend.aacquire(key, self.ttl_ms, cancel=self.cancel, **extra)
+            return await backend.aacquire(key, self.ttl_ms, cancel=self.cancel, **extra)
+
+        async def counted(pending: Awaitable[AcquireResult]) -> AcquireResult:
+            result = await pending
             await signals.asend(attempts.count(result))
             return result
 
         if self.on_contended != "wait":
-            return self._checked_single(await attempt(), key)
-        session = await _aopen_session(backend, key)
-        if session is None:
-            return await aacquire_with_retry(attempt, self.policy, key=key, cancel=self.cancel)
+            return self._checked_single(await counted(request()), key)
+        wake_ups = getattr(backend, "wake_ups", None)
+        if wake_ups is None:
+            return await aacquire_with_retry(
+                lambda: counted(request()), self.policy, key=key, cancel=self.cancel
+            )
+        session = WaitSession(wake_ups, key)
         try:
             return await aacquire_with_retry(
-                partial(_aqueued, attempt, session),
+                lambda: counted(session.aattempt(request)),
                 self.policy,
                 key=key,
                 cancel=self.cancel,
@@ -264,39 +277,6 @@ class LockSpec:
 #: The option names, and those of them that :class:`RetryPolicy` holds.
 OPTION_NAMES = frozenset(LockOptions.__annotations__)
 RETRY_OPTIONS = frozenset(f.name for f in fields(RetryPolicy))
-
-
-def _queued(attempt: Callable[[WaitTicket], AcquireResult], session: WaitSession) -> AcquireResult:
-    """An attempt with the session's ticket; contention means the ticket is queued."""
-    result = attempt(session.ticket)
-    session.queued = session.queued or not result.ok
-    return result
-
-
-async def _aqueued(
-    attempt: Callable[[WaitTicket], Awaitable[AcquireResult]], session: WaitSession
-) -> AcquireResult:
-    result = await attempt(session.ticket)
-    session.queued = session.queued or not result.ok
-    return result
-
-
-def _open_session(backend: LockBackend, key: str) -> WaitSession | None:
-    """A ticket and a listener registered before the first attempt, so no wake-up is
-    lost; ``None`` when the backend has no queues (or ``WAKE_UPS`` is off)."""
-    wake_ups = getattr(backend, "wake_ups", None)
-    if wake_ups is None:
-        return None
-    ticket = WaitTicket.new()
-    return WaitSession(wake_ups.listen(key, ticket.id), ticket)
-
-
-async def _aopen_session(backend: LockBackend, key: str) -> WaitSession | None:
-    wake_ups = getattr(backend, "wake_ups", None)
-    if wake_ups is None:
-        return None
-    ticket = WaitTicket.new()
-    return WaitSession(await wake_ups.alisten(key, ticket.id), ticket)
 
 
 def _withdraw(backend: Any, key: str, session: WaitSession) -> None:

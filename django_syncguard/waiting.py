@@ -37,11 +37,12 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from .cancellation import CancelToken, check_cancel
 from .keys import generate_lock_id
+from .results import AcquireResult
 
 logger = logging.getLogger("django_syncguard.waiting")
 
@@ -246,27 +247,57 @@ class WakeUps:
 
 
 class WaitSession:
-    """One waiting acquisition: its ticket and listener, and the sleep between attempts.
+    """One waiting acquisition: its ticket, its listener, and the pause between attempts.
 
-    ``clock`` (seconds) is injectable for tests.
+    The first attempt goes without a ticket, so an uncontended acquire costs exactly
+    what it did without queues (no listener, no subscription). Once an attempt finds
+    the key held, the listener is registered and, at once, an attempt with the ticket
+    queues it: a release can only wake a queued ticket, and the ticket is queued after
+    the listener exists, so no wake-up is lost. ``clock`` (seconds) is injectable.
     """
 
     def __init__(
-        self,
-        listener: Listener,
-        ticket: WaitTicket,
-        *,
-        clock: Callable[[], float] = time.monotonic,
+        self, wake_ups: WakeUps, key: str, *, clock: Callable[[], float] = time.monotonic
     ) -> None:
-        self.listener = listener
-        self.ticket = ticket
+        self.wake_ups = wake_ups
+        self.key = key
+        self.ticket = WaitTicket.new()
+        self.listener: Listener | None = None
         self.clock = clock
-        self.queued = False  # an attempt reported contention: the ticket may be queued
+        self.queued = False  # an attempt with the ticket met contention
         self.notified = 0
+
+    def attempt(self, request: Callable[[WaitTicket | None], AcquireResult]) -> AcquireResult:
+        """The next attempt, through ``request(ticket)`` (see the class docstring)."""
+        if self.listener is None:
+            result = request(None)
+            if result.ok:
+                return result
+            self.listener = self.wake_ups.listen(self.key, self.ticket.id)
+        result = request(self.ticket)
+        self.queued = self.queued or not result.ok
+        return result
+
+    async def aattempt(
+        self, request: Callable[[WaitTicket | None], Awaitable[AcquireResult]]
+    ) -> AcquireResult:
+        """Async twin of :meth:`attempt`."""
+        if self.listener is None:
+            result = await request(None)
+            if result.ok:
+                return result
+            self.listener = await self.wake_ups.alisten(self.key, self.ticket.id)
+        result = await request(self.ticket)
+        self.queued = self.queued or not result.ok
+        return result
+
+    @property
+    def healthy(self) -> bool:
+        return self.listener is not None and self.listener.healthy
 
     def pause_plan(self, delay_s: float, remaining_s: float, position: int | None) -> float:
         """How long to wait at most before the next attempt."""
-        if self.listener.healthy:
+        if self.healthy:
             return min(CHECK_IN_MS / 1000, remaining_s)
         budget = min(delay_s, CHECK_IN_MS / 1000, remaining_s)
         if position == 0:
@@ -281,30 +312,38 @@ class WaitSession:
         The timer fires at the backoff delay; a healthy listener then goes back to
         sleep without a request until the check-in is due.
         """
+        listener = self._listening()
         end = self.clock() + self.pause_plan(delay_s, remaining_s, position)
         step = max(delay_s, HEAD_POLL_MS / 1000)  # retry_delay_ms=0 must not spin
         while (left := end - self.clock()) > 0:
-            if self.listener.wait(min(step, left), cancel):
+            if listener.wait(min(step, left), cancel):
                 self.notified += 1
                 return
-            if not self.listener.healthy:
+            if not listener.healthy:
                 return
 
     async def apause(
         self, delay_s: float, remaining_s: float, cancel: CancelToken | None, position: int | None
     ) -> None:
         """Async twin of :meth:`pause`."""
+        listener = self._listening()
         end = self.clock() + self.pause_plan(delay_s, remaining_s, position)
         step = max(delay_s, HEAD_POLL_MS / 1000)
         while (left := end - self.clock()) > 0:
-            if await self.listener.await_wake(min(step, left), cancel):
+            if await listener.await_wake(min(step, left), cancel):
                 self.notified += 1
                 return
-            if not self.listener.healthy:
+            if not listener.healthy:
                 return
 
+    def _listening(self) -> Listener:
+        if self.listener is None:  # only a contended attempt leads to a pause
+            raise RuntimeError("WaitSession.pause() before a contended attempt.")
+        return self.listener
+
     def close(self) -> None:
-        self.listener.close()
+        if self.listener is not None:
+            self.listener.close()
 
 
 #: A queue as a mapping ``ticket id -> (arrival number, live until ms)``: how the

@@ -316,10 +316,29 @@ def test_on_contended_is_checked_when_the_decorator_is_built():
         locked("w:bad", on_contended="queue")
 
 
+def test_an_uncontended_wait_registers_no_listener_and_queues_nothing(mem, monkeypatch):
+    backend = mem.backend
+    listened: list[str] = []
+    listen = backend.wake_ups.listen
+    monkeypatch.setattr(
+        backend.wake_ups, "listen", lambda key, tid: listened.append(key) or listen(key, tid)
+    )
+    assert lock(lambda: "ran", key="w:free", using=backend) == "ran"
+    assert listened == []
+    held = backend.acquire("w:busy", 10_000)
+    with pytest.raises(AcquisitionTimeout):
+        lock(lambda: None, key="w:busy", using=backend, timeout_ms=20, retry_delay_ms=5)
+    assert listened == ["w:busy"]
+    backend.release(held.lock_id)
+
+
 # ------------------------------------------------------------------ the pause
 class _Listener:
     def __init__(self, healthy):
         self.healthy = healthy
+
+    def close(self):
+        pass
 
 
 @pytest.mark.parametrize(
@@ -334,7 +353,8 @@ class _Listener:
     ],
 )
 def test_pause_plan(healthy, delay_s, remaining_s, position, expected_s):
-    session = WaitSession(_Listener(healthy), WaitTicket.new())
+    session = WaitSession(WakeUps("test"), "k")
+    session.listener = _Listener(healthy)
     assert session.pause_plan(delay_s, remaining_s, position) == expected_s
 
 
