@@ -30,12 +30,13 @@ from tests.support.harness import (
 )
 from tests.support.servers import (
     FirestoreEmulator,
+    PgBouncerServer,
     PostgresServer,
     RedisServer,
     start_or_skip,
 )
 
-Server = TypeVar("Server", PostgresServer, RedisServer, FirestoreEmulator)
+Server = TypeVar("Server", PostgresServer, RedisServer, FirestoreEmulator, PgBouncerServer)
 
 
 @contextmanager
@@ -64,6 +65,13 @@ def postgres_server() -> Iterator[PostgresServer]:
         for settings_dict in (settings.DATABASES["postgres"], connection.settings_dict):
             patch.setitem(settings_dict, "PORT", str(server.port))
         connection.close()  # one opened before had no server to go to
+        yield server
+
+
+@pytest.fixture(scope="session")
+def pgbouncer(postgres_server: PostgresServer) -> Iterator[PgBouncerServer]:
+    """PgBouncer in transaction mode in front of the session's PostgreSQL."""
+    with running("pgbouncer", PgBouncerServer(postgres_server.port)) as server:
         yield server
 
 

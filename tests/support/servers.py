@@ -274,6 +274,82 @@ class RedisServer:
 
 
 @dataclass
+class PgBouncerServer:
+    """PgBouncer (Debian's package) in transaction pooling mode, in front of a
+    :class:`PostgresServer`: the pooler under which ``LISTEN`` cannot work."""
+
+    postgres_port: int
+    port: int = 0
+    user: str | None = None
+    root: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="syncguard-pgb-")))
+    process: subprocess.Popen[bytes] | None = None
+
+    BINARY = Path("/usr/sbin/pgbouncer")
+
+    def start(self) -> PgBouncerServer:
+        if not self.BINARY.exists():
+            raise ServerUnavailable("pgbouncer is not installed (Debian package pgbouncer)")
+        self.user = unprivileged_user()
+        if self.user:
+            shutil.chown(self.root, self.user)
+        for _ in range(3):
+            self.port = free_port()
+            config = self.root / "pgbouncer.ini"
+            config.write_text(
+                "[databases]\n"
+                f"* = host=127.0.0.1 port={self.postgres_port}\n"
+                "[pgbouncer]\n"
+                f"listen_addr = 127.0.0.1\nlisten_port = {self.port}\n"
+                f"unix_socket_dir = {self.root}\n"
+                "auth_type = trust\n"
+                f"auth_file = {self.root / 'users.txt'}\n"
+                "pool_mode = transaction\n"
+                "max_client_conn = 200\ndefault_pool_size = 10\n"
+                # Django and psycopg send these startup parameters.
+                "ignore_startup_parameters = extra_float_digits,options\n"
+                f"logfile = {self.root / 'pgbouncer.log'}\n"
+            )
+            (self.root / "users.txt").write_text('"postgres" ""\n')
+            if self.user:
+                for path in (config, self.root / "users.txt"):
+                    shutil.chown(path, self.user)
+            self.process = subprocess.Popen(
+                as_user(self.user, [str(self.BINARY), str(config)]),
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+            try:
+                wait_for_port(self.port, 20)
+                break
+            except ServerUnavailable:
+                self.stop()
+        else:
+            raise ServerUnavailable(f"pgbouncer did not start: {self.log_tail()}")
+        atexit.register(self.stop)
+        return self
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(20)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(5)
+        self.process = None
+
+    def destroy(self) -> None:
+        self.stop()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    def log_tail(self) -> str:
+        try:
+            return (self.root / "pgbouncer.log").read_text()[-2000:]
+        except OSError:
+            return "(no log)"
+
+
+@dataclass
 class FirestoreEmulator:
     """``gcloud emulators firestore start`` on a free loopback port (Java 17)."""
 
