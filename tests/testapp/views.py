@@ -5,7 +5,7 @@ from django.db import connections
 from django.http import JsonResponse
 from django.views.decorators.csrf import csrf_exempt
 
-from django_syncguard import current_lock, locked
+from django_syncguard import AcquisitionTimeout, current_lock, locked
 from tests.testapp.models import Account, Ledger
 
 
@@ -13,6 +13,47 @@ from tests.testapp.models import Account, Ledger
 def pay_invoice(request, pk):
     lease = current_lock()
     return JsonResponse({"pk": pk, "key": lease.key, "fence": lease.fence})
+
+
+def conflict_when_skipped(view):
+    """409 when ``on_contended="skip"`` skipped the view (it returned None)."""
+
+    @functools.wraps(view)
+    def wrapper(request, *args, **kwargs):
+        response = view(request, *args, **kwargs)
+        return response if response is not None else JsonResponse({"error": "busy"}, status=409)
+
+    return wrapper
+
+
+def conflict_on_timeout(view):
+    """409 when the lock could not be taken (``on_contended="raise"``, or a timeout)."""
+
+    @functools.wraps(view)
+    def wrapper(request, *args, **kwargs):
+        try:
+            return view(request, *args, **kwargs)
+        except AcquisitionTimeout:
+            return JsonResponse({"error": "locked"}, status=409)
+
+    return wrapper
+
+
+@conflict_when_skipped
+@locked("invoice:<pk>", on_contended="skip")
+def refresh_invoice(request, pk):
+    return JsonResponse({"fence": current_lock().fence})
+
+
+@conflict_on_timeout
+@locked("invoice:<pk>", on_contended="raise")
+def pay_or_refuse(request, pk):
+    return JsonResponse({"fence": current_lock().fence})
+
+
+@locked("invoice:<pk>", timeout_ms=30_000)  # on_contended="wait", the default
+def pay_when_free(request, pk):
+    return JsonResponse({"fence": current_lock().fence})
 
 
 @locked("invoice:<pk>", max_retries=0)
