@@ -278,18 +278,17 @@ class RedisWakeUps(WakeUps):
             self._failures += 1
             self._cond.notify_all()
             stopping = self._closed
-        if was_up:
-            self.connection_lost()
-        if stopping:
-            return
-        if first:
+        # The log first: it then precedes whatever the woken waiters do and log.
+        if first and not stopping:
             logger.warning(
                 "Wake-ups of %s lost their Redis connection (%r); waiters poll until it is back.",
                 self.name,
                 exc,
             )
-        else:
+        elif not stopping:
             logger.debug("Wake-ups of %s still cannot connect: %r", self.name, exc)
+        if was_up:
+            self.connection_lost()
 
     def _connect(self) -> Any:
         if self._pool is None:
