@@ -82,7 +82,9 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 # 'w:<ticket id>' = '<arrival> <live until ms>', 'q' = how many there are (read with
 # the lock fields, so an empty queue costs the hot path nothing) and 'n' = the last
 # arrival number handed out. 'q' and 'n' go when the queue empties. These helpers
-# read the whole hash (HGETALL): only when 'q' says somebody waits.
+# read the whole hash (HGETALL): only when 'q' says somebody waits. Scripts define
+# them inside the branch that needs them, so the path without waiters does not even
+# create their closures.
 _QUEUE = """
 local function hdel_all(h, names)
   for j = 1, #names, 500 do
@@ -140,16 +142,15 @@ end
 
 #: KEYS[1] lock hash, KEYS[2] index key of the new lock id.
 #: ARGV: lock id, ttl ms, tolerance ms, max fence, user key ("" when not hashed),
-#: ticket id ("" for a caller without one), patience ms.
+#: and for a caller with a wait ticket: ticket id, patience ms.
 #: Returns {0} contention ({0, position} for a queued ticket), {2} fence overflow
 #: (nothing written), {1, fence, expires}.
 ACQUIRE = (
     _NOW
-    + _QUEUE
     + """
 local cur = redis.call('HMGET', KEYS[1], 'i', 'e', 'f', 'q')
 local free = not cur[1] or tonumber(cur[2]) <= now - tonumber(ARGV[3])
-local ticket = ARGV[6]
+local ticket = ARGV[6] or ''
 if not free and ticket == '' then
   return {0}
 end
@@ -159,6 +160,9 @@ if free and fence > tonumber(ARGV[4]) then
 end
 local waiting = tonumber(cur[4]) or 0
 if waiting > 0 or not free then
+"""
+    + _QUEUE
+    + """
   local live, count, head = queue_load(KEYS[1], now)
   if free and (head == nil or head == ticket) then
     if live[ticket] then
@@ -221,13 +225,15 @@ end
 #: Returns {1} released, {2} expired, {0} not found. The fence field stays. When
 #: waiters queue ('q' > 0), the first live one is woken by PUBLISH.
 RELEASE = (
-    _QUEUE
-    + _RESOLVE
+    _RESOLVE
     + """
 redis.call('HDEL', lock, 'i', 'e', 'a', 'k')
 redis.call('DEL', KEYS[1])
 local waiting = tonumber(cur[3]) or 0
 if waiting > 0 then
+"""
+    + _QUEUE
+    + """
   wake_next(lock, now, waiting)
 end
 return {1}
@@ -536,15 +542,9 @@ class RedisBackend(BaseLockBackend):
         lock_key = self.lock_key(key)
         lock_id = generate_lock_id()
         keys = [lock_key, self.index_key(lock_id)]
-        args = [
-            lock_id,
-            ttl_ms,
-            TIME_TOLERANCE_MS,
-            FENCE_MAX,
-            self._user_key_arg(key, lock_key),
-            "" if ticket is None else ticket.id,
-            0 if ticket is None else ticket.patience_ms,
-        ]
+        args = [lock_id, ttl_ms, TIME_TOLERANCE_MS, FENCE_MAX, self._user_key_arg(key, lock_key)]
+        if ticket is not None:  # without one, the arguments are those of a plain acquire
+            args += [ticket.id, ticket.patience_ms]
         return keys, args, lock_id
 
     def _acquired(self, reply: list[Any], key: str, lock_id: str) -> AcquireResult:
