@@ -87,8 +87,10 @@ class RedisWakeUps(WakeUps):
         self._lock_key = backend.lock_key
         self._timeout_s = backend.operation_timeout_ms / 1000
         self._location = backend.location
+        client_kwargs = dict(backend._client_kwargs)
+        client_kwargs.pop("single_connection_client", None)  # a Redis() argument, not a pool's
         self._pool_kwargs: dict[str, Any] = {
-            **backend._client_kwargs,
+            **client_kwargs,
             # One connection, outside the backend's pool, speaking RESP2: the reader
             # parses pub/sub replies as plain arrays.
             "max_connections": 1,
@@ -131,8 +133,7 @@ class RedisWakeUps(WakeUps):
 
     def wait_connected(self, timeout_s: float) -> bool:
         """Block until the channel is connected (and resubscribed) or ``timeout_s``
-        passed; whether it is connected. The reader connects while some key of this
-        process is waited on (or was, within ``IDLE_CHANNEL_S``)."""
+        passed; whether it is connected. The reader starts with the first waiter."""
         deadline = time.monotonic() + timeout_s
         with self._cond:
             while not self._up:
@@ -224,16 +225,11 @@ class RedisWakeUps(WakeUps):
             while self._wake_r.recv(4096):
                 pass
 
-    def _needed(self) -> bool:
-        with self._cond:
-            return bool(self._channels) and not self._closed
-
     def _run(self) -> None:
+        # Started by the first waiter, the reader keeps a connection up until close():
+        # after an outage the next waiter then finds it back, subscribed or not.
         failures = 0  # in a row: connections that failed, or broke soon after they opened
         while not self._stop.is_set():
-            if not self._needed():
-                self._wait_for_poke(None)
-                continue
             self._opened_at = None
             try:
                 self._serve()
@@ -251,12 +247,6 @@ class RedisWakeUps(WakeUps):
                 delay = min(FIRST_RECONNECT_DELAY_S * 2 ** (failures - 2), MAX_RECONNECT_DELAY_S)
                 self._stop.wait(delay * (0.5 + random.random() / 2))
         self._disconnect()
-
-    def _wait_for_poke(self, timeout_s: float | None) -> None:
-        with selectors.DefaultSelector() as selector:
-            selector.register(self._wake_r, selectors.EVENT_READ)
-            selector.select(timeout_s)
-        self._drain_pokes()
 
     def _disconnect(self) -> None:
         pool, self._pool = self._pool, None
