@@ -3,7 +3,7 @@
 A release (or a withdrawal) that leaves waiters behind a free key publishes the first
 live ticket's id on the lock hash's own name: ``PUBLISH P:<key> <ticket id>`` (see
 ``redis.py``; pub/sub channels and keys are separate namespaces, and channels are not
-scoped to a database number, which costs nothing here: a message for a ticket no
+scoped to a database number, which only costs a stray message: one for a ticket no
 process holds wakes nobody). :class:`RedisWakeUps` is the subscriber side: it
 subscribes to the channels of the keys this process waits on and hands each message
 to the waiter holding that ticket.
@@ -202,8 +202,8 @@ class RedisWakeUps(WakeUps):
 
     def _reset_after_fork(self) -> None:
         # The parent's thread does not exist here, and its connection and socket
-        # pair belong to the parent: drop them (closing our copies of the sockets
-        # would be harmless, but a redis-py disconnect could shut the parent's down).
+        # pair are the parent's: drop them without a shutdown, which would end them
+        # for the parent too.
         self._init_state()
 
     # ----------------------------------------------------------------- reader
