@@ -11,7 +11,13 @@ Key layout (``P`` is the prefix without trailing colons)::
     P:<key>          hash  f = last fence (never deleted, no TTL)
                            i = lock id, e = expires at (ms), a = acquired at (ms),
                            k = user key (only when <key> had to be hashed)
+                           while waiters queue: q = how many, n = last arrival number,
+                           w:<ticket id> = "<arrival> <live until ms>" for each
     P#id:<lock id>   string, the full name of the hash above, expiring with the lock
+
+A release wakes the first live waiter with ``PUBLISH P:<key> <ticket id>``: the
+channel is the lock hash's own name (channels and keys are separate namespaces);
+:mod:`.redis_wakeups` holds the subscriber side.
 
 Lock keys all start with ``P:`` and index keys with ``P#``, so no user key can land
 on an index entry; the fence counter lives inside the key's own hash, so no user key
@@ -48,7 +54,7 @@ from ..errors import (
 from ..fencing import FENCE_MAX, fence_overflow_error, format_fence
 from ..keys import generate_lock_id, make_storage_key
 from ..results import AcquireResult, ExtendResult, LockPage, LockRecord, ReleaseResult
-from ..waiting import WaitTicket
+from ..waiting import WaitTicket, WakeUps
 from .base import BaseLockBackend, mapping_option, positive_int_option
 
 if TYPE_CHECKING:
@@ -72,19 +78,117 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 """
 
+# The queue of waiters lives in the lock hash itself (same key, same slot): fields
+# 'w:<ticket id>' = '<arrival> <live until ms>', 'q' = how many there are (read with
+# the lock fields, so an empty queue costs the hot path nothing) and 'n' = the last
+# arrival number handed out. 'q' and 'n' go when the queue empties. These helpers
+# read the whole hash (HGETALL): only when 'q' says somebody waits. Scripts define
+# them inside the branch that needs them, so the path without waiters does not even
+# create their closures.
+_QUEUE = """
+local function hdel_all(h, names)
+  for j = 1, #names, 500 do
+    redis.call('HDEL', h, unpack(names, j, math.min(j + 499, #names)))
+  end
+end
+-- The live waiters of hash h as {ticket id = arrival}, their count, and the id of the
+-- first; stale ones (live until <= now) are deleted.
+local function queue_load(h, now)
+  local all = redis.call('HGETALL', h)
+  local live, stale, count, head, first = {}, {}, 0, nil, nil
+  for j = 1, #all, 2 do
+    local name = all[j]
+    if string.sub(name, 1, 2) == 'w:' then
+      local value = all[j + 1]
+      local space = string.find(value, ' ', 1, true)
+      local arrival = tonumber(string.sub(value, 1, space - 1))
+      if tonumber(string.sub(value, space + 1)) > now then
+        local id = string.sub(name, 3)
+        live[id] = arrival
+        count = count + 1
+        if first == nil or arrival < first then
+          head, first = id, arrival
+        end
+      else
+        stale[#stale + 1] = name
+      end
+    end
+  end
+  hdel_all(h, stale)
+  return live, count, head
+end
+-- Record the number of waiters (only when it changed); an empty queue leaves no field.
+local function queue_store(h, count, stored)
+  if count == stored then
+    return
+  end
+  if count > 0 then
+    redis.call('HSET', h, 'q', count)
+  else
+    redis.call('HDEL', h, 'q', 'n')
+  end
+end
+-- The key is free: wake the first live waiter, if any (only it).
+local function wake_next(h, now, stored)
+  local _, count, head = queue_load(h, now)
+  queue_store(h, count, stored)
+  if head then
+    -- pcall: an ACL that denies this user channels must not fail a release whose
+    -- writes are done (its waiters cannot subscribe either: they poll).
+    redis.pcall('PUBLISH', h, head)
+  end
+end
+"""
+
 #: KEYS[1] lock hash, KEYS[2] index key of the new lock id.
-#: ARGV: lock id, ttl ms, tolerance ms, max fence, user key ("" when not hashed).
-#: Returns {0} contention, {2} fence overflow (nothing written), {1, fence, expires}.
+#: ARGV: lock id, ttl ms, tolerance ms, max fence, user key ("" when not hashed),
+#: and for a caller with a wait ticket: ticket id, patience ms.
+#: Returns {0} contention ({0, position} for a queued ticket), {2} fence overflow
+#: (nothing written), {1, fence, expires}.
 ACQUIRE = (
     _NOW
     + """
-local cur = redis.call('HMGET', KEYS[1], 'i', 'e', 'f')
-if cur[1] and tonumber(cur[2]) > now - tonumber(ARGV[3]) then
+local cur = redis.call('HMGET', KEYS[1], 'i', 'e', 'f', 'q')
+local free = not cur[1] or tonumber(cur[2]) <= now - tonumber(ARGV[3])
+local ticket = ARGV[6] or ''
+if not free and ticket == '' then
   return {0}
 end
 local fence = (tonumber(cur[3]) or 0) + 1
-if fence > tonumber(ARGV[4]) then
+if free and fence > tonumber(ARGV[4]) then
   return {2}
+end
+local waiting = tonumber(cur[4]) or 0
+if waiting > 0 or not free then
+"""
+    + _QUEUE
+    + """
+  local live, count, head = queue_load(KEYS[1], now)
+  if free and (head == nil or head == ticket) then
+    if live[ticket] then
+      redis.call('HDEL', KEYS[1], 'w:' .. ticket)
+      count = count - 1
+    end
+    queue_store(KEYS[1], count, waiting)
+  elseif ticket == '' then
+    queue_store(KEYS[1], count, waiting)
+    return {0}
+  else
+    local mine = live[ticket]
+    if mine == nil then
+      mine = redis.call('HINCRBY', KEYS[1], 'n', 1)
+      count = count + 1
+    end
+    redis.call('HSET', KEYS[1], 'w:' .. ticket, mine .. ' ' .. (now + tonumber(ARGV[7])))
+    queue_store(KEYS[1], count, waiting)
+    local ahead = 0
+    for _, arrival in pairs(live) do
+      if arrival < mine then
+        ahead = ahead + 1
+      end
+    end
+    return {0, ahead}
+  end
 end
 local expires = now + tonumber(ARGV[2])
 if ARGV[5] ~= '' then
@@ -107,7 +211,7 @@ local lock = redis.call('GET', KEYS[1])
 if not lock then
   return {0}
 end
-local cur = redis.call('HMGET', lock, 'i', 'e')
+local cur = redis.call('HMGET', lock, 'i', 'e', 'q')
 if cur[1] ~= ARGV[1] then
   return {0}
 end
@@ -118,13 +222,42 @@ end
 )
 
 #: KEYS[1] index key. ARGV: lock id, tolerance ms.
-#: Returns {1} released, {2} expired, {0} not found. The fence field stays.
+#: Returns {1} released, {2} expired, {0} not found. The fence field stays. When
+#: waiters queue ('q' > 0), the first live one is woken by PUBLISH.
 RELEASE = (
     _RESOLVE
     + """
 redis.call('HDEL', lock, 'i', 'e', 'a', 'k')
 redis.call('DEL', KEYS[1])
+local waiting = tonumber(cur[3]) or 0
+if waiting > 0 then
+"""
+    + _QUEUE
+    + """
+  wake_next(lock, now, waiting)
+end
 return {1}
+"""
+)
+
+#: KEYS[1] lock hash. ARGV: ticket id, tolerance ms.
+#: Removes the ticket; when the key is free, wakes the (new) first live waiter.
+#: Returns 1 when the ticket was queued, else 0.
+WITHDRAW = (
+    _NOW
+    + _QUEUE
+    + """
+local cur = redis.call('HMGET', KEYS[1], 'i', 'e', 'q')
+local waiting = tonumber(cur[3]) or 0
+if waiting == 0 or redis.call('HDEL', KEYS[1], 'w:' .. ARGV[1]) == 0 then
+  return 0
+end
+if cur[1] and tonumber(cur[2]) > now - tonumber(ARGV[2]) then
+  queue_store(KEYS[1], waiting - 1, waiting)
+else
+  wake_next(KEYS[1], now, waiting)
+end
+return 1
 """
 )
 
@@ -235,6 +368,7 @@ MAX_SCANS_PER_PAGE = 20
 SCRIPTS = {
     "acquire": ACQUIRE,
     "release": RELEASE,
+    "withdraw": WITHDRAW,
     "extend": EXTEND,
     "is_locked": IS_LOCKED,
     "lookup_by_key": LOOKUP_BY_KEY,
@@ -402,11 +536,15 @@ class RedisBackend(BaseLockBackend):
         self._async = weakref.WeakKeyDictionary()
 
     # ----------------------------------------------------------- operations
-    def _acquire_args(self, key: str, ttl_ms: int) -> tuple[list[str], list[Any], str]:
+    def _acquire_args(
+        self, key: str, ttl_ms: int, ticket: WaitTicket | None
+    ) -> tuple[list[str], list[Any], str]:
         lock_key = self.lock_key(key)
         lock_id = generate_lock_id()
         keys = [lock_key, self.index_key(lock_id)]
         args = [lock_id, ttl_ms, TIME_TOLERANCE_MS, FENCE_MAX, self._user_key_arg(key, lock_key)]
+        if ticket is not None:  # without one, the arguments are those of a plain acquire
+            args += [ticket.id, ticket.patience_ms]
         return keys, args, lock_id
 
     def _acquired(self, reply: list[Any], key: str, lock_id: str) -> AcquireResult:
@@ -414,7 +552,7 @@ class RedisBackend(BaseLockBackend):
         if status == 2:
             raise fence_overflow_error(key)
         if status == 0:
-            return AcquireResult.locked()
+            return AcquireResult.locked(int(reply[1]) if len(reply) > 1 else None)
         return AcquireResult(
             ok=True, lock_id=lock_id, expires_at_ms=int(reply[2]), fence=format_fence(int(reply[1]))
         )
@@ -422,14 +560,25 @@ class RedisBackend(BaseLockBackend):
     def _acquire(
         self, key: str, ttl_ms: int, cancel: CancelToken | None, ticket: WaitTicket | None = None
     ) -> AcquireResult:
-        keys, args, lock_id = self._acquire_args(key, ttl_ms)
+        keys, args, lock_id = self._acquire_args(key, ttl_ms, ticket)
         return self._acquired(self._call("acquire", keys, args), key, lock_id)
 
     async def _aacquire(
         self, key: str, ttl_ms: int, cancel: CancelToken | None, ticket: WaitTicket | None = None
     ) -> AcquireResult:
-        keys, args, lock_id = self._acquire_args(key, ttl_ms)
+        keys, args, lock_id = self._acquire_args(key, ttl_ms, ticket)
         return self._acquired(await self._acall("acquire", keys, args), key, lock_id)
+
+    def _make_wake_ups(self) -> WakeUps:
+        from .redis_wakeups import RedisWakeUps
+
+        return RedisWakeUps(self)
+
+    def _withdraw(self, key: str, ticket_id: str) -> None:
+        self._call("withdraw", [self.lock_key(key)], [ticket_id, TIME_TOLERANCE_MS])
+
+    async def _awithdraw(self, key: str, ticket_id: str) -> None:
+        await self._acall("withdraw", [self.lock_key(key)], [ticket_id, TIME_TOLERANCE_MS])
 
     @staticmethod
     def _released(reply: list[Any]) -> ReleaseResult:

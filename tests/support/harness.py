@@ -108,16 +108,29 @@ class DatabaseHarness(Harness):
         )
 
 
-# Moves time for the Redis backend: ages every lock hash of one prefix.
+# Moves time for the Redis backend: ages every lock hash of one prefix, and the
+# deadlines of its queued wait tickets ('w:<ticket id>' = '<arrival> <live until ms>').
 _AGE_REDIS = """
 local cursor = '0'
+local ms = tonumber(ARGV[2])
 repeat
   local page = redis.call('SCAN', cursor, 'MATCH', ARGV[1], 'COUNT', 1000)
   cursor = page[1]
   for _, key in ipairs(page[2]) do
-    if redis.call('TYPE', key).ok == 'hash' and redis.call('HEXISTS', key, 'e') == 1 then
-      redis.call('HINCRBY', key, 'e', -tonumber(ARGV[2]))
-      redis.call('HINCRBY', key, 'a', -tonumber(ARGV[2]))
+    if redis.call('TYPE', key).ok == 'hash' then
+      if redis.call('HEXISTS', key, 'e') == 1 then
+        redis.call('HINCRBY', key, 'e', -ms)
+        redis.call('HINCRBY', key, 'a', -ms)
+      end
+      local all = redis.call('HGETALL', key)
+      for j = 1, #all, 2 do
+        if string.sub(all[j], 1, 2) == 'w:' then
+          local space = string.find(all[j + 1], ' ', 1, true)
+          local arrival = string.sub(all[j + 1], 1, space - 1)
+          local untl = tonumber(string.sub(all[j + 1], space + 1)) - ms
+          redis.call('HSET', key, all[j], arrival .. ' ' .. string.format('%d', untl))
+        end
+      end
     end
   end
 until cursor == '0'

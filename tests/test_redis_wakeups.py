@@ -1,0 +1,415 @@
+"""Redis wake-ups across threads and OS processes (``specs/backends/redis.md``, Waiting).
+
+A release that leaves waiters publishes the first live ticket on the lock hash's name;
+``RedisWakeUps`` holds one pub/sub connection per backend and process and hands the
+message to the waiter. These tests wait on events (a listener's, a process's), never
+on sleeps, and assert what happened, not how fast.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import random
+import threading
+import time
+import uuid
+
+import pytest
+
+from django_syncguard import current_lock, generate_lock_id, lock, signals
+from django_syncguard.backends import redis_wakeups
+from django_syncguard.backends.redis import RedisBackend
+from django_syncguard.backends.redis_wakeups import RedisWakeUps
+from django_syncguard.waiting import WaitTicket
+from tests.support import redis_wakeup_workers as workers
+from tests.support.harness import RedisHarness
+from tests.support.processes import Children
+
+TTL = 60_000
+WAKE_S = 10.0  # generous bound for an event that must arrive; never slept
+
+
+@pytest.fixture
+def rh(redis_server):
+    harness = RedisHarness()
+    yield harness
+    harness.close()
+
+
+def ticket() -> WaitTicket:
+    return WaitTicket(generate_lock_id())
+
+
+def pubsub_clients(backend: RedisBackend) -> dict[str, dict]:
+    """The server's pub/sub connections (CLIENT LIST TYPE pubsub), by client id."""
+    return {client["id"]: client for client in backend.client.client_list(_type="pubsub")}
+
+
+@pytest.fixture
+def queued_threads():
+    """Events set when a thread's ``lock()`` attempt found the key held (its ticket is
+    then queued): ``lock_contended`` is sent in the attempting thread."""
+    events: dict[str, threading.Event] = {}
+
+    def on_contended(sender, **kwargs) -> None:
+        event = events.get(threading.current_thread().name)
+        if event is not None:
+            event.set()
+
+    signals.lock_contended.connect(on_contended, weak=False)
+    yield events
+    signals.lock_contended.disconnect(on_contended)
+
+
+def test_the_backend_builds_redis_wake_ups(rh):
+    assert isinstance(rh.redis.wake_ups, RedisWakeUps)
+    assert rh.redis.wake_ups.reaches_other_processes is True
+
+
+def test_a_release_in_another_process_wakes_the_waiter_here(rh):
+    backend, children = rh.redis, Children()
+    held, release, results = children.ctx.Event(), children.ctx.Event(), children.ctx.Queue()
+    children.start(workers.hold_then_release, rh.url, rh.prefix, "x:proc", held, release, results)
+    try:
+        assert held.wait(WAKE_S)
+        assert results.get(timeout=WAKE_S) == ("held", "000000000000001")
+        mine = ticket()
+        listener = backend.wake_ups.listen("x:proc", mine.id)
+        try:
+            assert listener.healthy
+            assert backend.acquire("x:proc", TTL, ticket=mine).queue_position == 0
+            release.set()
+            assert results.get(timeout=WAKE_S) == ("released", True)
+            # The other process's release published our ticket: the listener's event.
+            assert listener.wait(WAKE_S, None) is True
+            assert backend.acquire("x:proc", TTL, ticket=mine).fence == "000000000000002"
+        finally:
+            listener.close()
+        children.join()
+    finally:
+        children.terminate()
+
+
+def test_only_the_first_live_waiter_is_woken(rh):
+    backend = rh.redis
+    first, second = ticket(), ticket()
+    listen_first = backend.wake_ups.listen("x:only", first.id)
+    listen_second = backend.wake_ups.listen("x:only", second.id)
+    try:
+        held = backend.acquire("x:only", TTL)
+        assert backend.acquire("x:only", TTL, ticket=first).queue_position == 0
+        assert backend.acquire("x:only", TTL, ticket=second).queue_position == 1
+        assert backend.release(held.lock_id).ok
+        assert listen_first.wait(WAKE_S, None) is True
+        # A wake-up for the second would have been delivered before or with the first
+        # (one connection, in order): its event is not set.
+        assert listen_second.wait(0, None) is False
+    finally:
+        listen_first.close()
+        listen_second.close()
+
+
+def test_a_killed_pubsub_connection_makes_waiters_poll_until_it_is_back(rh, queued_threads, caplog):
+    """The wake-up connection is killed and cannot come back (its ACL user is off):
+    the waiter's listener turns unhealthy, the release's PUBLISH reaches nobody, and
+    the waiter still gets the lock by polling. Once the user is on again the reader
+    reconnects, and new listeners are healthy."""
+    admin, user = rh.redis.client, f"waiter{uuid.uuid4().hex[:8]}"
+    admin.execute_command("ACL", "SETUSER", user, "on", ">pw", "~*", "&*", "+@all")
+    url = rh.url.replace("redis://", f"redis://{user}:pw@")
+    waiter = RedisBackend("waiter", {"LOCATION": url, "KEY_PREFIX": rh.prefix})
+    try:
+        held = rh.redis.acquire("x:kill", TTL)
+        probe = waiter.wake_ups.listen("x:probe", generate_lock_id())
+        assert probe.healthy
+        got: list[str] = []
+        queued_threads["waiter"] = threading.Event()
+        thread = threading.Thread(
+            target=lambda: got.append(
+                lock(lambda: current_lock().fence, key="x:kill", using=waiter, timeout_ms=60_000)
+            ),
+            name="waiter",
+        )
+        thread.start()
+        assert queued_threads["waiter"].wait(WAKE_S)
+
+        admin.execute_command("ACL", "SETUSER", user, "off")  # no reconnect from now on
+        with caplog.at_level(logging.WARNING, logger="django_syncguard.backends.redis"):
+            assert admin.execute_command("CLIENT", "KILL", "USER", user, "TYPE", "pubsub") == 1
+            assert probe.wait(WAKE_S, None) is True  # connection_lost woke every listener
+        assert not probe.healthy
+        assert not waiter.wake_ups.connected
+        assert "lost their Redis connection" in caplog.text
+        channel = rh.redis.lock_key("x:kill")
+        assert admin.pubsub_numsub(channel) == [(channel.encode(), 0)]  # nobody hears it
+        assert rh.redis.release(held.lock_id).ok
+
+        thread.join(WAKE_S)
+        assert got == ["000000000000002"]  # acquired by polling
+        assert not waiter.wake_ups.connected  # still no pub/sub connection
+
+        admin.execute_command("ACL", "SETUSER", user, "on")
+        assert waiter.wake_ups.wait_connected(WAKE_S)
+        fresh = ticket()
+        listener = waiter.wake_ups.listen("x:kill", fresh.id)
+        try:
+            assert listener.healthy
+            again = rh.redis.acquire("x:kill", TTL)
+            assert not waiter.acquire("x:kill", TTL, ticket=fresh).ok
+            assert rh.redis.release(again.lock_id).ok
+            assert listener.wait(WAKE_S, None) is True
+        finally:
+            listener.close()
+        probe.close()
+    finally:
+        waiter.close()
+        admin.execute_command("ACL", "DELUSER", user)
+
+
+def test_a_killed_connection_comes_back_at_once_and_resubscribes(rh):
+    backend = rh.redis
+    others = pubsub_clients(backend)  # other tests' connections may still be closing
+    old = backend.wake_ups.listen("x:back", generate_lock_id())
+    assert old.healthy
+    [ours] = [cid for cid in pubsub_clients(backend) if cid not in others]
+    assert backend.client.client_kill_filter(_id=ours) == 1
+    assert old.wait(WAKE_S, None) is True
+    assert not old.healthy  # its wake-ups may have been lost: it polls for good
+    assert backend.wake_ups.wait_connected(WAKE_S)
+    # The key it still waits on was resubscribed on the new connection.
+    [again] = [c for cid, c in pubsub_clients(backend).items() if cid not in others]
+    assert again["id"] != ours
+    assert again["sub"] == "1"
+    mine = ticket()
+    fresh = backend.wake_ups.listen("x:back", mine.id)
+    try:
+        assert fresh.healthy
+        held = backend.acquire("x:back", TTL)
+        assert not backend.acquire("x:back", TTL, ticket=mine).ok
+        assert backend.release(held.lock_id).ok
+        assert fresh.wait(WAKE_S, None) is True
+    finally:
+        fresh.close()
+        old.close()
+
+
+def test_no_wake_up_is_lost_when_a_release_races_a_new_waiter(rh, monkeypatch):
+    """Thousands of rounds: a holder releases at a random moment while a waiter
+    registers and makes its attempt. The waiter is always admitted by that attempt or
+    woken; a lost wake-up would leave its listener waiting. Few keys and a tiny idle
+    cap keep channels being unsubscribed and subscribed again under the race."""
+    monkeypatch.setattr(redis_wakeups, "MAX_IDLE_CHANNELS", 2)
+    backend, rounds = rh.redis, 2_000
+    jobs: queue.Queue[tuple[str, float] | None] = queue.Queue()
+    released: queue.Queue[bool] = queue.Queue()
+
+    def holder() -> None:
+        while (job := jobs.get()) is not None:
+            lock_id, delay_s = job
+            end = time.perf_counter() + delay_s
+            while time.perf_counter() < end:  # a random moment, not a synchronisation
+                pass
+            released.put(backend.release(lock_id).ok)
+
+    rng = random.Random(14)
+    thread = threading.Thread(target=holder)
+    thread.start()
+    outcomes = {"admitted": 0, "woken": 0}
+    try:
+        for n in range(rounds):
+            key = f"race:{rng.randrange(6)}"
+            held = backend.acquire(key, TTL)
+            assert held.ok, n
+            jobs.put((held.lock_id, rng.random() * 0.001))
+            mine = ticket()
+            listener = backend.wake_ups.listen(key, mine.id)
+            try:
+                result = backend.acquire(key, TTL, ticket=mine)
+                if result.ok:
+                    outcomes["admitted"] += 1
+                else:
+                    assert listener.wait(WAKE_S, None) is True, f"round {n}: wake-up lost"
+                    outcomes["woken"] += 1
+                    result = backend.acquire(key, TTL, ticket=mine)
+                    assert result.ok, n
+                assert released.get(timeout=WAKE_S) is True
+                assert backend.release(result.lock_id).ok
+            finally:
+                listener.close()
+    finally:
+        jobs.put(None)
+        thread.join(WAKE_S)
+    assert sum(outcomes.values()) == rounds
+    assert outcomes["admitted"] > 0 and outcomes["woken"] > 0, outcomes
+
+
+def test_one_pubsub_connection_per_process_for_any_number_of_waiters(rh):
+    backend, keys, per_key = rh.redis, [f"conn:{n}" for n in range(5)], 4
+    before = pubsub_clients(backend)
+    start = threading.Barrier(len(keys) * per_key)
+    listeners = []
+    mutex = threading.Lock()
+
+    def wait_on(key: str) -> None:
+        start.wait()
+        listener = backend.wake_ups.listen(key, generate_lock_id())
+        with mutex:
+            listeners.append(listener)
+
+    threads = [threading.Thread(target=wait_on, args=(k,)) for k in keys for _ in range(per_key)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(WAKE_S)
+    try:
+        assert len(listeners) == 20
+        assert all(listener.healthy for listener in listeners)
+        new = [c for cid, c in pubsub_clients(backend).items() if cid not in before]
+        assert len(new) == 1
+        assert new[0]["sub"] == "5"  # one channel per key
+    finally:
+        for listener in listeners:
+            listener.close()
+
+
+def test_a_hot_key_stays_subscribed_between_waiters(rh):
+    backend = rh.redis
+    first = backend.wake_ups.listen("x:hot", generate_lock_id())
+    first.close()  # the last local waiter left: the channel stays for a while
+    backend.client.config_resetstat()
+    second = backend.wake_ups.listen("x:hot", generate_lock_id())
+    try:
+        assert second.healthy
+        stats = backend.client.info("commandstats")
+        assert "cmdstat_subscribe" not in stats and "cmdstat_unsubscribe" not in stats
+    finally:
+        second.close()
+
+
+def test_idle_channels_beyond_the_cap_are_unsubscribed(rh, monkeypatch):
+    monkeypatch.setattr(redis_wakeups, "MAX_IDLE_CHANNELS", 2)
+    backend = rh.redis
+    for n in range(5):
+        backend.wake_ups.listen(f"idle:{n}", generate_lock_id()).close()
+    # The reader trims at its next turn; a new subscription gives it one, and
+    # SUBSCRIBE's confirmation comes after the UNSUBSCRIBEs sent before it.
+    keep = backend.wake_ups.listen("idle:keep", generate_lock_id())
+    try:
+        assert keep.healthy
+        channels = backend.client.pubsub_channels(f"{rh.prefix}:idle:*")
+        assert sorted(c.decode() for c in channels) == [
+            f"{rh.prefix}:idle:3",
+            f"{rh.prefix}:idle:4",
+            f"{rh.prefix}:idle:keep",
+        ]
+    finally:
+        keep.close()
+
+
+def test_a_forked_child_gets_a_connection_of_its_own_and_the_parent_keeps_its_own(rh):
+    backend = rh.redis
+    parent = backend.wake_ups.listen("fork:parent", generate_lock_id())
+    assert parent.healthy
+    pid = os.fork()
+    if pid == 0:  # the child: report by exit status only, never return into pytest
+        code = 1
+        try:
+            mine = ticket()
+            listener = backend.wake_ups.listen("fork:child", mine.id)
+            held = backend.acquire("fork:child", TTL)
+            queued = not backend.acquire("fork:child", TTL, ticket=mine).ok
+            released = backend.release(held.lock_id).ok
+            if listener.healthy and queued and released and listener.wait(WAKE_S, None):
+                code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    # The child's exit closed only its copies of the parent's sockets.
+    mine = ticket()
+    listener = backend.wake_ups.listen("fork:parent", mine.id)
+    try:
+        assert parent.healthy and listener.healthy
+        held = backend.acquire("fork:parent", TTL)
+        assert not backend.acquire("fork:parent", TTL, ticket=mine).ok
+        assert backend.release(held.lock_id).ok
+        assert listener.wait(WAKE_S, None) is True
+    finally:
+        listener.close()
+        parent.close()
+
+
+async def test_async_waiters_are_woken_and_withdraw(rh):
+    backend = rh.redis
+    first, second = ticket(), ticket()
+    listen_first = await backend.wake_ups.alisten("x:async", first.id)
+    listen_second = await backend.wake_ups.alisten("x:async", second.id)
+    try:
+        held = await backend.aacquire("x:async", TTL)
+        assert (await backend.aacquire("x:async", TTL, ticket=first)).queue_position == 0
+        assert (await backend.aacquire("x:async", TTL, ticket=second)).queue_position == 1
+        assert (await backend.arelease(held.lock_id)).ok
+        assert await listen_first.await_wake(WAKE_S, None) is True
+        # The first gives up: its withdrawal wakes the second.
+        await backend.awithdraw("x:async", first.id)
+        assert await listen_second.await_wake(WAKE_S, None) is True
+        got = await backend.aacquire("x:async", TTL, ticket=second)
+        assert got.fence == "000000000000002"
+        assert backend.client.hgetall(backend.lock_key("x:async")).keys() == {
+            b"f",
+            b"i",
+            b"e",
+            b"a",
+        }  # the queue is empty again: no field of it is left
+    finally:
+        listen_first.close()
+        listen_second.close()
+        await backend._async_scripts()["_client"].aclose()
+
+
+@pytest.mark.slow
+def test_lock_admits_threads_and_a_process_in_the_order_they_queued(rh, queued_threads):
+    """Three threads of this process and one other process wait on one key; each is
+    queued before the next starts. Fences (the order the critical sections ran)
+    follow the queue exactly."""
+    backend, key, children = rh.redis, "x:fifo", Children()
+    held = backend.acquire(key, TTL)
+    fences: dict[str, str] = {}
+    threads: list[threading.Thread] = []
+
+    def start_thread(name: str) -> None:
+        queued_threads[name] = threading.Event()
+
+        def run() -> None:
+            fences[name] = lock(
+                lambda: current_lock().fence, key=key, using=backend, timeout_ms=60_000
+            )
+
+        thread = threading.Thread(target=run, name=name)
+        thread.start()
+        threads.append(thread)
+        assert queued_threads[name].wait(WAKE_S)
+
+    try:
+        start_thread("first")
+        start_thread("second")
+        queued, results = children.ctx.Event(), children.ctx.Queue()
+        children.start(workers.queued_waiter, rh.url, rh.prefix, key, queued, results)
+        assert queued.wait(WAKE_S * 3)  # a spawned interpreter imports Django first
+        start_thread("fourth")
+        assert backend.release(held.lock_id).ok
+        for thread in threads:
+            thread.join(WAKE_S * 3)
+        name, fence = results.get(timeout=WAKE_S)
+        fences[name] = fence
+        children.join()
+    finally:
+        children.terminate()
+    assert fences == {
+        "first": "000000000000002",
+        "second": "000000000000003",
+        "process": "000000000000004",
+        "fourth": "000000000000005",
+    }
