@@ -234,12 +234,14 @@ class WakeUps:
         """Stop receiving wake-ups for ``key`` (no waiter of this process left)."""
 
     def _after_fork(self) -> None:
-        """In a forked child the parent's threads and connections are gone."""
+        """In a forked child the parent's threads and connections are gone. The
+        child has one thread: fresh state is built without taking the parent's mutex,
+        which another parent thread may have held at the fork."""
         if self._pid != os.getpid():
-            with self._mutex:
-                self._pid = os.getpid()
-                self._listeners.clear()
-                self.generation += 1
+            self._pid = os.getpid()
+            self._mutex = threading.RLock()
+            self._listeners = {}
+            self.generation += 1
             self._reset_after_fork()
 
     def _reset_after_fork(self) -> None:
