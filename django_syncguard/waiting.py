@@ -178,6 +178,12 @@ class WakeUps:
             logger.warning("Wake-ups of %s unavailable (%r); waiting by polling.", self.name, exc)
         return listener
 
+    def ready(self, key: str) -> bool:
+        """Whether a listener on ``key`` would be confirmed at once, without I/O (a
+        channel already subscribed for a hot key). Registries whose subscriptions
+        need the server override it; in-process ones are always ready."""
+        return type(self)._subscribe is WakeUps._subscribe
+
     async def alisten(self, key: str, ticket_id: str) -> Listener:
         return await asyncio.to_thread(self.listen, key, ticket_id)
 
@@ -251,11 +257,14 @@ class WakeUps:
 class WaitSession:
     """One waiting acquisition: its ticket, its listener, and the pause between attempts.
 
-    The first attempt goes without a ticket, so an uncontended acquire costs exactly
-    what it did without queues (no listener, no subscription). Once an attempt finds
-    the key held, the listener is registered and, at once, an attempt with the ticket
-    queues it: a release can only wake a queued ticket, and the ticket is queued after
-    the listener exists, so no wake-up is lost. ``clock`` (seconds) is injectable.
+    A release can only wake a queued ticket, and a ticket is only queued after its
+    listener exists, so no wake-up is lost. When the key's channel is already
+    listened to (a hot key: :meth:`WakeUps.ready`), the listener is registered at once
+    and every attempt carries the ticket. Otherwise the first attempt goes without a
+    ticket, so an uncontended acquire of a fresh key costs what it did without queues
+    (no subscription); only if it meets contention is the listener registered and,
+    at once, an attempt with the ticket made to queue it. ``clock`` (seconds) is
+    injectable.
     """
 
     def __init__(
@@ -271,6 +280,8 @@ class WaitSession:
 
     def attempt(self, request: Callable[[WaitTicket | None], AcquireResult]) -> AcquireResult:
         """The next attempt, through ``request(ticket)`` (see the class docstring)."""
+        if self.listener is None and self.wake_ups.ready(self.key):
+            self.listener = self.wake_ups.listen(self.key, self.ticket.id)
         if self.listener is None:
             result = request(None)
             if result.ok:
@@ -284,6 +295,9 @@ class WaitSession:
         self, request: Callable[[WaitTicket | None], Awaitable[AcquireResult]]
     ) -> AcquireResult:
         """Async twin of :meth:`attempt`."""
+        if self.listener is None and self.wake_ups.ready(self.key):
+            # Ready means no I/O: no need for a worker thread.
+            self.listener = self.wake_ups.listen(self.key, self.ticket.id)
         if self.listener is None:
             result = await request(None)
             if result.ok:

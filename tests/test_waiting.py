@@ -316,19 +316,49 @@ def test_on_contended_is_checked_when_the_decorator_is_built():
         locked("w:bad", on_contended="queue")
 
 
-def test_an_uncontended_wait_registers_no_listener_and_queues_nothing(mem, monkeypatch):
+class _Subscribing(WakeUps):
+    """A registry whose subscriptions would need the server: counts them."""
+
+    def __init__(self):
+        super().__init__("subscribing")
+        self.subscribed: list[str] = []
+
+    def _subscribe(self, key):  # subscriptions linger, as Redis's do
+        if key not in self.subscribed:
+            self.subscribed.append(key)
+        return True
+
+    def ready(self, key):
+        return key in self.subscribed
+
+
+def test_a_fresh_key_is_tried_without_a_ticket_and_subscribed_only_when_held(mem, monkeypatch):
     backend = mem.backend
-    listened: list[str] = []
-    listen = backend.wake_ups.listen
-    monkeypatch.setattr(
-        backend.wake_ups, "listen", lambda key, tid: listened.append(key) or listen(key, tid)
-    )
-    assert lock(lambda: "ran", key="w:free", using=backend) == "ran"
-    assert listened == []
-    held = backend.acquire("w:busy", 10_000)
+    wake_ups = _Subscribing()
+    monkeypatch.setattr(backend, "_make_wake_ups", lambda: wake_ups)
+    tickets: list[object] = []
+    acquire = backend.acquire
+
+    def spy(key, ttl_ms, *, cancel=None, ticket=None):
+        tickets.append(ticket is not None)
+        return acquire(key, ttl_ms, cancel=cancel, ticket=ticket)
+
+    monkeypatch.setattr(backend, "acquire", spy)
+    assert lock(lambda: "ran", key="w:fresh", using=backend) == "ran"
+    assert (wake_ups.subscribed, tickets) == ([], [False])
+
+    held = backend._acquire("w:busy", 10_000, None)
+    tickets.clear()
     with pytest.raises(AcquisitionTimeout):
         lock(lambda: None, key="w:busy", using=backend, timeout_ms=20, retry_delay_ms=5)
-    assert listened == ["w:busy"]
+    # Contended: subscribed, then queued at once, then every attempt with the ticket.
+    assert wake_ups.subscribed == ["w:busy"]
+    assert tickets[:2] == [False, True] and all(tickets[1:])
+    # A hot key (its channel still subscribed): the first attempt carries the ticket.
+    tickets.clear()
+    with pytest.raises(AcquisitionTimeout):
+        lock(lambda: None, key="w:busy", using=backend, timeout_ms=20, retry_delay_ms=5)
+    assert tickets[0] is True and wake_ups.subscribed == ["w:busy"]
     backend.release(held.lock_id)
 
 

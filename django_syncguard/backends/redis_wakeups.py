@@ -158,6 +158,10 @@ class RedisWakeUps(WakeUps):
         self._wake_r.close()
         self._wake_w.close()
 
+    def ready(self, key: str) -> bool:
+        with self._cond:
+            return self._up and self._lock_key(key) in self._confirmed
+
     # ------------------------------------------------------------ channel hooks
     def _subscribe(self, key: str) -> bool:
         return self._await_channel(key)
