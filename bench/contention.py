@@ -308,12 +308,10 @@ def make_backend(target: Target, wake_ups: bool, alias: str = "contention") -> A
 
 class Ours:
     """``lock()`` on our backend, instrumented: each ``backend.acquire`` is an attempt,
-    each ``withdraw`` and each call of the wake-up channel's ``_subscribe`` /
-    ``_unsubscribe`` (where the backend's registry overrides them: the base class's
-    are in-process no-ops) one request."""
+    each ``withdraw`` and each command the Redis wake-up reader sends one request
+    (PostgreSQL's LISTEN/UNLISTEN are seen by the wire count)."""
 
     def __init__(self, target: Target, wake_ups: bool, stop: Any) -> None:
-        from django_syncguard.waiting import WakeUps
 
         self.backend = make_backend(target, wake_ups)
         self.stop = stop
@@ -333,12 +331,12 @@ class Ours:
         self.wake_ups = type(registry).__name__ if registry is not None else None
         if registry is None:
             return
-        for name in ("_subscribe", "_unsubscribe"):
-            if getattr(type(registry), name) is not getattr(WakeUps, name):
-                # A registry with __slots__ cannot be wrapped: the wire count (Redis,
-                # PostgreSQL) still sees its requests.
-                with contextlib.suppress(AttributeError):
-                    setattr(registry, name, _counting_channel(getattr(registry, name)))
+        # The channel's own commands (SUBSCRIBE, LISTEN...) are counted on the wire:
+        # its _subscribe/_unsubscribe hooks are mostly bookkeeping without I/O (a hot
+        # key's channel stays subscribed), so counting their calls would overstate.
+        if hasattr(registry, "_send"):  # Redis: every command the reader sends
+            with contextlib.suppress(AttributeError):
+                registry._send = _counting_channel(registry._send)
         deliver, lost = registry.deliver, registry.connection_lost
 
         def counted_deliver(*args: Any, **kwargs: Any) -> bool:
@@ -1263,7 +1261,7 @@ HOW = """\
   unsubscriptions (ours; made by the waiting call itself), BLPOPs (python-redis-lock),
   and what the process's other threads sent during the window (*background*, e.g. a
   listener re-subscribing). Counted in the client, per call, at the lock's level:
-  each `backend.acquire` / `withdraw` / channel `_subscribe` / `_unsubscribe` call of
+  each `backend.acquire` / `withdraw` / Redis wake-up channel command of
   ours and each `SET NX` / `BLPOP` of the peers is one request (an acquire is one
   round trip on Redis and PostgreSQL). On Redis and PostgreSQL the details table
   also counts *on the wire*, every command redis-py sends (PINGs included) and every
