@@ -31,6 +31,7 @@ from tests.support.proxy import FaultProxy
 TTL = 60_000
 WAKE_S = 10.0  # generous bound for an event that must arrive; never slept
 RACE_ROUNDS = 300
+CLOSE_ROUNDS = 100
 
 
 def ticket(patience_ms: int = PATIENCE_MS) -> WaitTicket:
@@ -189,6 +190,10 @@ def test_no_wake_up_is_lost_in_a_randomized_release_acquire_race(fh, holder):
     seed = random.randrange(2**32)
     rng = random.Random(seed)
     outcomes: list[str] = []
+    # The watch starts before any write to the key, and stays for every round: the
+    # emulator may garble a stream whose watch is added during a write (see the spec).
+    keeper = backend.wake_ups.listen("race", generate_lock_id())
+    assert keeper.healthy is True
     for _ in range(RACE_ROUNDS):
         lock_id = held_elsewhere(holder, "race")
         holder.send(("release", lock_id, rng.uniform(0, 0.02)))
@@ -208,6 +213,7 @@ def test_no_wake_up_is_lost_in_a_randomized_release_acquire_race(fh, holder):
             listener.close()
         assert holder.recv() is True
         assert backend.release(result.lock_id).ok is True
+    keeper.close()
     assert set(outcomes) == {"free", "woken"}, (seed, outcomes)
     assert backend.acquire("race", TTL).fence == f"{2 * RACE_ROUNDS + 1:015d}"
 
@@ -306,6 +312,40 @@ def test_a_dropped_stream_is_reported_and_reestablished(firestore_emulator, monk
             rival.close()
 
 
+def test_closing_wake_ups_never_fails_other_clients_writes(fh):
+    # On the emulator, a Listen call cancelled (or half-closed) while it still watches
+    # a document makes concurrent commits to that document fail, though applied.
+    # Closing removes the targets first; here, watchers come and go while another
+    # client keeps taking and releasing the key they watch. (A watch added during a
+    # write is sometimes refused a healthy start: the emulator then sends a corrupt
+    # message, the stream is lost and the waiter would poll; see the spec.)
+    rival = elsewhere(fh)
+    errors: list[BaseException] = []
+    done = threading.Event()
+
+    def churn() -> None:
+        while not done.is_set():
+            try:
+                result = rival.acquire("churn", TTL)
+                if result.ok:
+                    rival.release(result.lock_id)
+            except Exception as exc:
+                errors.append(exc)
+
+    writer = threading.Thread(target=churn)
+    writer.start()
+    try:
+        for _ in range(CLOSE_ROUNDS):
+            watcher = elsewhere(fh)
+            watcher.wake_ups.listen("churn", generate_lock_id()).close()
+            watcher.close()
+    finally:
+        done.set()
+        writer.join()
+        rival.close()
+    assert errors == []
+
+
 # ------------------------------------------------------------------------- async
 async def test_an_async_waiter_is_woken_by_a_release_in_another_process(fh, holder):
     backend = fh.firestore
@@ -314,6 +354,10 @@ async def test_an_async_waiter_is_woken_by_a_release_in_another_process(fh, hold
     listener = await backend.wake_ups.alisten("async", t.id)
     try:
         assert (await backend.aacquire("async", TTL, ticket=t)).queue_position == 0
+        gone = ticket()
+        assert (await backend.aacquire("async", TTL, ticket=gone)).queue_position == 1
+        await backend.awithdraw("async", gone.id)
+        assert set(lock_doc(fh, "async")["waiters"]) == {t.id}
         holder.send(("release", lock_id, 0))
         assert await listener.await_wake(WAKE_S, None) is True
         assert listener.healthy is True

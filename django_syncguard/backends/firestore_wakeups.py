@@ -25,11 +25,13 @@ break through :meth:`~django_syncguard.waiting.WakeUps.connection_lost`.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,6 +54,8 @@ MAX_WATCHES = 1_000
 #: Reconnection delays after a broken stream: doubled per failed try, up to the maximum.
 RECONNECT_MIN_S = 0.1
 RECONNECT_MAX_S = 5.0
+#: How long a stream closed on purpose may take to end before it is cancelled.
+END_GRACE_S = 2.0
 
 
 # ---------------------------------------------------------------- the queue in a document
@@ -107,14 +111,25 @@ class _Resync(Exception):
 
 class _Stream:
     """One Listen call: the requests sent on it, and what it learnt since its last
-    consistent snapshot."""
+    consistent snapshot.
+
+    It is never simply cancelled. The emulator fails other clients' commits to a
+    watched document (``CANCELLED``, or ``UNKNOWN`` after a half-close, although the
+    commit was applied) when they race with the end of a call that still has the
+    document as a target. So a stream is closed politely: every target removed, the
+    server's acknowledgements awaited, then the request side half-closed and the
+    call left to end; only a call still open after a grace period is cancelled.
+    """
 
     def __init__(self, client: Any) -> None:
         self.client = client
         self.database: str = client._database_string
         self.requests: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.call: Any = None
-        self.ended = False  # closed on purpose
+        self.targets: set[int] = set()  # added and not being removed
+        self.removing: set[int] = set()  # removal sent, not yet acknowledged
+        self.closing = False  # no further use: targets go, then the call
+        self.ended = False  # closed on purpose (no reconnection follows)
         self.established = False  # a consistent snapshot arrived
         self.current: set[int] = set()  # targets the server called CURRENT
         self.pending: dict[str, dict[str, Any] | None] = {}  # name -> state (None: missing)
@@ -126,30 +141,67 @@ class _Stream:
         target = Target(
             documents=Target.DocumentsTarget(documents=[watch.name]), target_id=watch.target_id
         )
+        self.targets.add(watch.target_id)
         self.requests.put(ListenRequest(database=self.database, add_target=target))
 
     def remove(self, watch: _Watch) -> None:
-        from google.cloud.firestore_v1.types import ListenRequest
-
-        self.current.discard(watch.target_id)
         self.pending.pop(watch.name, None)
         self.exists.pop(watch.name, None)
-        self.requests.put(ListenRequest(database=self.database, remove_target=watch.target_id))
+        self._remove(watch.target_id)
+
+    def _remove(self, target_id: int) -> None:
+        from google.cloud.firestore_v1.types import ListenRequest
+
+        self.targets.discard(target_id)
+        self.current.discard(target_id)
+        self.removing.add(target_id)
+        self.requests.put(ListenRequest(database=self.database, remove_target=target_id))
+
+    def removed(self, target_ids: Iterable[int]) -> None:
+        """The server acknowledged removals; a closing stream half-closes after the last."""
+        self.removing.difference_update(target_ids)
+        if self.closing and not self.removing:
+            self.half_close()
 
     def outgoing(self) -> Iterator[Any]:
-        """The request iterator gRPC consumes; it ends at the ``None`` of :meth:`end`."""
+        """The request iterator gRPC consumes; it ends at the ``None`` of a half-close."""
         while (request := self.requests.get()) is not None:
             yield request
 
-    def end(self) -> None:
-        """Close the call on purpose (no reconnection follows)."""
-        self.ended = True
-        self.finish()
+    def end(self, grace_s: float, *, on_purpose: bool = True) -> None:
+        """Close the call politely (see the class docstring); cancel it if it is still
+        open after ``grace_s``. Caller holds the wake-ups' lock."""
+        self.ended = self.ended or on_purpose
+        if self.closing:
+            return
+        self.closing = True
+        for target_id in list(self.targets):
+            self._remove(target_id)
+        if not self.removing:
+            self.half_close()
+        timer = threading.Timer(grace_s, self.give_up)
+        timer.daemon = True
+        timer.start()
 
-    def finish(self) -> None:
-        self.requests.put(None)  # lets gRPC's request thread return
+    def half_close(self) -> None:
+        self.requests.put(None)  # ends the request iterator: gRPC half-closes the call
+
+    def give_up(self) -> None:
+        """Cancel the call (nothing happens to a call that has ended)."""
+        self.half_close()
         if self.call is not None:
             self.call.cancel()
+
+
+#: Wake-ups that opened a stream: closed politely when the interpreter exits, rather
+#: than cancelled by the channel's teardown.
+_open: weakref.WeakSet[FirestoreWakeUps] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    for wake_ups in list(_open):
+        wake_ups.close()
 
 
 def _ms(timestamp: Any) -> int:
@@ -179,6 +231,7 @@ class FirestoreWakeUps(WakeUps):
         self._client = client
         self._document = document
         self._timeout_s = timeout_s
+        self._grace_s = min(timeout_s, END_GRACE_S)
         self._closed = False
         self._init_state()
 
@@ -236,6 +289,7 @@ class FirestoreWakeUps(WakeUps):
                 if self._stream is not None:
                     self._stream.add(watch)
             if self._thread is None:  # the first watch, or after a failure to start
+                _open.add(self)
                 self._thread = threading.Thread(
                     target=self._run, name=f"syncguard-{self.name}", daemon=True
                 )
@@ -298,7 +352,7 @@ class FirestoreWakeUps(WakeUps):
         if self._stream is not None:
             self._stream.remove(watch)
             if not self._watches:  # nothing left to watch: the thread ends with its stream
-                self._stream.end()
+                self._stream.end(self._grace_s)
                 self._stream = None
 
     # ------------------------------------------------------------------- stream
@@ -355,20 +409,24 @@ class FirestoreWakeUps(WakeUps):
             listen = stream.client._firestore_api._transport.listen
             call = listen(stream.outgoing(), metadata=stream.client._rpc_metadata)
         except Exception as exc:
-            stream.finish()
+            stream.half_close()
             return exc
         with self._wlock:
-            stream.call = call
-            if stream.ended:
-                call.cancel()
+            stream.call = call  # ended meanwhile: the call half-closes after its requests
+        error: BaseException | None = None
         try:
             for response in call:
-                self._on_response(stream, response)
-        except Exception as exc:  # grpc.RpcError (a cancel too), _Resync, a bad document
-            stream.finish()
-            return exc
-        stream.finish()
-        return None  # the server ended the stream
+                try:
+                    self._on_response(stream, response)
+                except Exception as exc:  # _Resync, a document we cannot read
+                    # Our view may be stale: end this stream (politely) and start another.
+                    error = error or exc
+                    with self._wlock:
+                        stream.end(self._grace_s, on_purpose=False)
+        except Exception as exc:  # grpc.RpcError: the call failed, or was given up on
+            error = error or exc
+        stream.half_close()  # lets gRPC's request thread return
+        return error
 
     def _on_response(self, stream: _Stream, response: Any) -> None:
         from google.cloud.firestore_v1 import _helpers
@@ -388,7 +446,9 @@ class FirestoreWakeUps(WakeUps):
             if change.target_change_type == kinds.REMOVE and change.cause.code:
                 raise _Resync(f"target removed by the server: {change.cause.message}")
             with self._wlock:
-                if change.target_change_type == kinds.CURRENT:
+                if change.target_change_type == kinds.REMOVE:  # one we asked for
+                    stream.removed(change.target_ids)
+                elif change.target_change_type == kinds.CURRENT:
                     stream.current.update(change.target_ids)
                 elif change.target_change_type == kinds.RESET:  # its state comes again
                     for watch in self._watches.values():
@@ -429,7 +489,7 @@ class FirestoreWakeUps(WakeUps):
                 head = first_waiter(data, now_ms) if key is not None else None
                 if key is not None and head is not None:
                     deliveries.append((key, head))
-            if stream is self._stream and not stream.ended:
+            if stream is self._stream and not stream.closing:
                 stream.established = True
                 self._connected = True
                 self._broken = False
@@ -452,13 +512,14 @@ class FirestoreWakeUps(WakeUps):
             self._watches.clear()
             self._keys.clear()
             if stream is not None:
-                stream.end()
+                stream.end(self._grace_s)
             self._changed.notify_all()
         self._stop.set()
         if sweeper is not None:
             sweeper.cancel()
         if thread is not None and thread is not threading.current_thread():
-            thread.join(self._timeout_s)
+            thread.join(self._grace_s + 1)
+        _open.discard(self)
         self.connection_lost()
 
     def _reset_after_fork(self) -> None:
