@@ -9,7 +9,13 @@ it at the emulator. Needs ``pip install "django-syncguard[firestore]"``.
 
 Time authority is the **server**: every liveness decision and every returned expiry
 uses the ``read_time`` Firestore stamps on the snapshots of that very operation, so
-client clocks do not matter. See ``specs/backends/firestore.md``.
+client clocks do not matter.
+
+Waiters queue in the key's lock document (``waiters``, ``arrivals``), read and written
+by the same guarded batches as the lock; a release that leaves waiters keeps the
+document without its lock, and each process's :class:`FirestoreWakeUps` watches the
+documents its waiters wait for (``firestore_wakeups.py``). See
+``specs/backends/firestore.md``.
 """
 
 from __future__ import annotations
@@ -17,11 +23,13 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import logging
+import os
 import re
 import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, ClassVar, TypeVar
 
@@ -43,8 +51,17 @@ from ..fencing import FENCE_MAX, fence_overflow_error, format_fence
 from ..keys import generate_lock_id, hash_storage_key, make_storage_key
 from ..liveness import is_live
 from ..results import AcquireResult, ExtendResult, LockPage, LockRecord, ReleaseResult
-from ..waiting import WaitTicket
+from ..waiting import CHECK_IN_MS, Queue, WaitTicket, WakeUps, queue_admits, queue_head
 from .base import BaseLockBackend, BatchedCleanup, mapping_option
+from .firestore_wakeups import (
+    ARRIVALS,
+    WAITERS,
+    FirestoreWakeUps,
+    holds_lock,
+    last_until,
+    queue_of,
+    queue_value,
+)
 
 logger = logging.getLogger("django_syncguard.backends.firestore")
 
@@ -181,6 +198,7 @@ class FirestoreBackend(BatchedCleanup, BaseLockBackend):
         self._client_kwargs = mapping_option(self.options, "CLIENT_KWARGS")
         _firestore()  # fail at start-up, not at the first lock, when the extra is missing
         self._client: Any = None
+        self._client_pid = os.getpid()
         self._async: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Any] = (
             weakref.WeakKeyDictionary()
         )
@@ -197,7 +215,10 @@ class FirestoreBackend(BatchedCleanup, BaseLockBackend):
 
     @property
     def client(self) -> Any:
-        """The Firestore client, built on first use with bounded calls."""
+        """The Firestore client, built on first use with bounded calls (again in a
+        forked child: the parent's gRPC channel is not usable there)."""
+        if self._client_pid != os.getpid():
+            self._client, self._client_pid = None, os.getpid()  # the parent's: never closed here
         if self._client is None:
             try:
                 client = _firestore().Client(**self._client_options())
@@ -317,39 +338,65 @@ class FirestoreBackend(BatchedCleanup, BaseLockBackend):
         snaps: list[Any],
         refs: tuple[Any, Any],
         cancel: CancelToken | None,
-    ) -> AcquireResult:
-        """Decide from the read: ``locked``, overflow, or fill ``batch`` with the guarded
-        writes of a new lock and return the result they will make true."""
+        ticket: WaitTicket | None,
+    ) -> _Plan:
+        """Decide from the read: ``locked`` (perhaps with the guarded write of the
+        caller's place in the queue), overflow, or fill ``batch`` with the guarded
+        writes of a new lock. The plan's result is what the writes will make true."""
         by_path = {snap.reference.path: snap for snap in snaps}
         lock_ref, fence_ref = refs
         current, counter = by_path[lock_ref.path], by_path[fence_ref.path]
         now = server_ms(current.read_time)  # Firestore's clock
-        if self._live(current, now):
-            return AcquireResult.locked()
+        data = _data(current)
+        free = not holds_lock(data, now)
+        queue = queue_of(data)
+        arrivals = int(data.get(ARRIVALS, 0))
+        if queue or (ticket is not None and not free):
+            # Someone waits, or the caller will: the queue rule decides (waiting.py).
+            before = queue.get(ticket.id) if ticket is not None else None
+            take, position = queue_admits(
+                queue, now, free=free, ticket=ticket, arrival=arrivals + 1
+            )
+            if ticket is not None and queue.get(ticket.id, (0, 0))[0] == arrivals + 1:
+                arrivals += 1  # a new place was handed out
+            if not take:
+                if ticket is None or not _renewal_due(before, queue[ticket.id], ticket, now):
+                    return _Plan(AcquireResult.locked(position))
+                check_cancel(cancel, {"key": key})  # after reads, before writes
+                fields = _queue_update(data, queue, arrivals)
+                batch.update(lock_ref, fields, **self._unchanged(current))
+                return _Plan(AcquireResult.locked(position), write=True)
+        elif not free:
+            return _Plan(AcquireResult.locked())  # nobody waits: no write, as always
         fence = (int(counter.get("fence")) if counter.exists else 0) + 1
         if fence > FENCE_MAX:
             raise fence_overflow_error(key)
         check_cancel(cancel, {"key": key})  # after reads, before writes
         lock_id = generate_lock_id()
         expires = now + ttl_ms
+        waiting_until = last_until(queue)
         lock = {
             "lockId": lock_id,
             "expiresAtMs": expires,
             "acquiredAtMs": now,
             "key": key,
             "fence": format_fence(fence),
-            "purgeAt": purge_at(expires),
+            "purgeAt": purge_at(max(expires, waiting_until or 0)),
+            **_queue_fields(data, queue, arrivals),
         }
         self._put(batch, fence_ref, counter, {"fence": format_fence(fence)})
         self._put(batch, lock_ref, current, lock)
-        return AcquireResult(
+        result = AcquireResult(
             ok=True, lock_id=lock_id, expires_at_ms=expires, fence=format_fence(fence)
         )
+        return _Plan(result, write=True, waiting_until=waiting_until)
 
     # If a guard fails, the lock or its counter changed between our read and our
     # write, and nothing was written. Usually another client took the lock: the next
     # read sees it live and answers "locked". But cleanup deleting the expired document
     # also fails the guard, and then the key is free: so read again rather than guess.
+    # A waiter's write of its place fails the same way when another waiter or the
+    # holder wrote first, and is decided again on a fresh read.
     def _acquire(
         self, key: str, ttl_ms: int, cancel: CancelToken | None, ticket: WaitTicket | None = None
     ) -> AcquireResult:
@@ -357,12 +404,11 @@ class FirestoreBackend(BatchedCleanup, BaseLockBackend):
         for _ in range(CONFLICT_ATTEMPTS):
             snaps = self._call(lambda: list(self.client.get_all(list(refs))))
             batch = self.client.batch()
-            result = self._plan_acquire(batch, key, ttl_ms, snaps, refs, cancel)
-            if not result.ok:
-                return result
+            plan = self._plan_acquire(batch, key, ttl_ms, snaps, refs, cancel, ticket)
+            if not plan.write:
+                return plan.result
             if self._commit(batch):
-                self._held.remember(result, refs[0].path, batch)
-                return result
+                return self._committed(plan, refs, batch)
         return AcquireResult.locked()  # the lock kept changing under us: contention
 
     async def _aacquire(
@@ -373,22 +419,66 @@ class FirestoreBackend(BatchedCleanup, BaseLockBackend):
         for _ in range(CONFLICT_ATTEMPTS):
             snaps = await self._acall(_collect(client.get_all(list(refs))))
             batch = client.batch()
-            result = self._plan_acquire(batch, key, ttl_ms, snaps, refs, cancel)
-            if not result.ok:
-                return result
+            plan = self._plan_acquire(batch, key, ttl_ms, snaps, refs, cancel, ticket)
+            if not plan.write:
+                return plan.result
             if await self._acommit(batch):
-                self._held.remember(result, refs[0].path, batch)
-                return result
+                return self._committed(plan, refs, batch)
         return AcquireResult.locked()
+
+    def _committed(self, plan: _Plan, refs: tuple[Any, Any], batch: Any) -> AcquireResult:
+        if plan.result.ok:
+            self._held.remember(plan.result, refs[0].path, batch, plan.waiting_until)
+        return plan.result
 
     @staticmethod
     def _live(snap: Any, now: int) -> bool:
-        if not snap.exists:
-            return False
-        data = snap.to_dict() or {}
-        return bool(data.get("lockId")) and is_live(
-            int(data["expiresAtMs"]), now, TIME_TOLERANCE_MS
+        return snap.exists and holds_lock(snap.to_dict() or {}, now)
+
+    # ------------------------------------------------------------------ queue
+    def _make_wake_ups(self) -> WakeUps:
+        # One Listen stream per backend object and process, on this backend's client.
+        return FirestoreWakeUps(
+            f"firestore:{self.alias}",
+            client=lambda: self.client,
+            document=lambda key: self._refs(key)[0],
+            timeout_s=self.operation_timeout_ms / 1000,
         )
+
+    def _plan_withdraw(self, batch: Any, snap: Any, ticket_id: str) -> bool:
+        """Fill ``batch`` with the guarded removal of ``ticket_id`` from the queue;
+        False when it is not queued (nothing to write). The listeners of the key wake
+        its next waiter when the document shows the key free."""
+        data = _data(snap)
+        queue = queue_of(data)
+        if queue.pop(ticket_id, None) is None:
+            return False
+        queue_head(queue, server_ms(snap.read_time))  # drops lapsed places
+        if not queue and not data.get("lockId"):
+            batch.delete(snap.reference, **self._unchanged(snap))  # nothing left in it
+        else:
+            fields = _queue_update(data, queue, int(data.get(ARRIVALS, 0)))
+            batch.update(snap.reference, fields, **self._unchanged(snap))
+        return True
+
+    def _withdraw(self, key: str, ticket_id: str) -> None:
+        ref = self._refs(key)[0]
+        for _ in range(CONFLICT_ATTEMPTS):
+            snap = self._call(ref.get)
+            batch = self.client.batch()
+            if not self._plan_withdraw(batch, snap, ticket_id) or self._commit(batch):
+                return
+        logger.debug("Withdrawing a ticket kept conflicting; its place lapses by itself.")
+
+    async def _awithdraw(self, key: str, ticket_id: str) -> None:
+        client = self.aclient()
+        ref = self._refs(key, client)[0]
+        for _ in range(CONFLICT_ATTEMPTS):
+            snap = await self._acall(ref.get())
+            batch = client.batch()
+            if not self._plan_withdraw(batch, snap, ticket_id) or await self._acommit(batch):
+                return
+        logger.debug("Withdrawing a ticket kept conflicting; its place lapses by itself.")
 
     # ------------------------------------------------------- release, extend
     def _plan_mutation(
@@ -462,12 +552,26 @@ class FirestoreBackend(BatchedCleanup, BaseLockBackend):
         the signature of a mutation for ``_mutate``)."""
         batch.delete(snap.reference, **self._unchanged(snap))
 
+    def _vacate(self, batch: Any, snap: Any, now: int) -> None:
+        """Release the lock of the document ``snap`` read, only if unchanged since:
+        delete the document, or, while live waiters remain, only its lock fields (the
+        listeners of the key then wake the first of them)."""
+        data = _data(snap)
+        queue = queue_of(data)
+        queue_head(queue, now)  # drops lapsed places
+        if not queue:
+            batch.delete(snap.reference, **self._unchanged(snap))
+            return
+        fields = _queue_update(data, queue, int(data.get(ARRIVALS, 0)), vacate=True)
+        batch.update(snap.reference, fields, **self._unchanged(snap))
+
     def _renewal(self, ttl_ms: int) -> Callable[[Any, Any, int], int]:
         def renew(batch: Any, snap: Any, now: int) -> int:
             expires = now + ttl_ms
+            waiting_until = last_until(queue_of(_data(snap))) or 0
             batch.update(
                 snap.reference,
-                {"expiresAtMs": expires, "purgeAt": purge_at(expires)},
+                {"expiresAtMs": expires, "purgeAt": purge_at(max(expires, waiting_until))},
                 **self._unchanged(snap),
             )
             return expires
@@ -489,16 +593,22 @@ class FirestoreBackend(BatchedCleanup, BaseLockBackend):
     # Release of a lock this object acquired and never saw change: one guarded delete,
     # no query. The guard is the lock document's update time from our own acquire, so
     # the delete applies only if the document is still exactly our lock; if anything
-    # changed it (an extend, a new holder), the guard fails, nothing is written, and
-    # the general path below decides. Liveness is judged at the commit's server time;
-    # a lock found expired is reported so, its document removed as cleanup would.
+    # changed it (an extend, a new holder, a waiter taking its place), the guard fails,
+    # nothing is written, and the general path below decides. Liveness is judged at
+    # the commit's server time; a lock found expired is reported so, its document
+    # removed as cleanup would. When our acquire left waiters in the document, the
+    # same guarded write removes only the lock fields.
     def _remembered_release(self, lock_id: str, client: Any) -> tuple[Any, Any] | None:
         held = self._held.forget(lock_id)
         if held is None:
             return None
-        path, update_time, expires = held
+        path, update_time, expires, waiting_until = held
         batch = client.batch()
-        batch.delete(client.document(path), **_unchanged_since(update_time))
+        guard = _unchanged_since(update_time)
+        if waiting_until is None:
+            batch.delete(client.document(path), **guard)
+        else:
+            batch.update(client.document(path), _vacated(waiting_until), **guard)
         return batch, expires
 
     @staticmethod
@@ -511,13 +621,13 @@ class FirestoreBackend(BatchedCleanup, BaseLockBackend):
         remembered = self._remembered_release(lock_id, self.client)
         if remembered is not None and self._commit(remembered[0]):
             return self._released_at(*remembered)
-        return self._released(self._mutate(lock_id, cancel, self._delete))
+        return self._released(self._mutate(lock_id, cancel, self._vacate))
 
     async def _arelease(self, lock_id: str, cancel: CancelToken | None) -> ReleaseResult:
         remembered = self._remembered_release(lock_id, self.aclient())
         if remembered is not None and await self._acommit(remembered[0]):
             return self._released_at(*remembered)
-        return self._released(await self._amutate(lock_id, cancel, self._delete))
+        return self._released(await self._amutate(lock_id, cancel, self._vacate))
 
     def _extend(self, lock_id: str, ttl_ms: int, cancel: CancelToken | None) -> ExtendResult:
         self._held.forget(lock_id)  # the document changes: later releases take the query
@@ -556,9 +666,10 @@ class FirestoreBackend(BatchedCleanup, BaseLockBackend):
         if live or not snap.exists or not self.cleanup_in_is_locked:
             return None
         now = server_ms(snap.read_time)
-        expires = int((snap.to_dict() or {}).get("expiresAtMs", now))
-        if expires >= self._cleanup_cutoff(now):
-            return None
+        data = _data(snap)
+        expires = int(data.get("expiresAtMs", now))
+        if expires >= self._cleanup_cutoff(now) or queue_head(queue_of(data), now):
+            return None  # recent, or live waiters still hold their places in it
         return self._unchanged(snap)
 
     def _record(self, snap: Any) -> LockRecord:
@@ -632,7 +743,9 @@ class FirestoreBackend(BatchedCleanup, BaseLockBackend):
         # Firestore takes at most 500 writes per batched write.
         size = min(batch_size, MAX_WRITES_PER_BATCH)
         query = self._expired_query(self._cleanup_cutoff(self.now_ms())).limit(size)
-        snaps = self._call(lambda: list(query.stream()))
+        # A document whose lock expired long ago may still hold live waiters' places
+        # (until the first of them takes the key): it stays.
+        snaps = [s for s in self._call(lambda: list(query.stream())) if not _has_waiters(s)]
         if not snaps:
             return 0
         batch = self.client.batch()
@@ -662,26 +775,102 @@ class FirestoreBackend(BatchedCleanup, BaseLockBackend):
         ]
 
 
+_Remembered = tuple[str, Any, int, int | None]
+
+
 class _Held:
     """Locks this backend object acquired: lock id -> (document path, the update time
-    our acquire gave the document, expiry). Bounded (oldest forgotten first) and only
-    a shortcut: a lock not found here is released through the lock-id query."""
+    our acquire gave the document, expiry, when the last waiter our acquire left in
+    the document lapses, or None). Bounded (oldest forgotten first) and only a
+    shortcut: a lock not found here is released through the lock-id query."""
 
     def __init__(self) -> None:
-        self._locks: OrderedDict[str, tuple[str, Any, int]] = OrderedDict()
+        self._locks: OrderedDict[str, _Remembered] = OrderedDict()
         self._mutex = threading.Lock()
 
-    def remember(self, result: AcquireResult, path: str, batch: Any) -> None:
+    def remember(
+        self, result: AcquireResult, path: str, batch: Any, waiting_until: int | None
+    ) -> None:
         lock_write = batch.write_results[-1]  # the lock document is written last
         assert result.lock_id is not None and result.expires_at_ms is not None
+        entry = (path, lock_write.update_time, result.expires_at_ms, waiting_until)
         with self._mutex:
-            self._locks[result.lock_id] = (path, lock_write.update_time, result.expires_at_ms)
+            self._locks[result.lock_id] = entry
             if len(self._locks) > HELD_MEMORY:
                 self._locks.popitem(last=False)
 
-    def forget(self, lock_id: str) -> tuple[str, Any, int] | None:
+    def forget(self, lock_id: str) -> _Remembered | None:
         with self._mutex:
             return self._locks.pop(lock_id, None)
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """What an acquire decided from its read: the result, whether the batch holds
+    writes to commit first, and when the last waiter left in the document lapses."""
+
+    result: AcquireResult
+    write: bool = False
+    waiting_until: int | None = None
+
+
+def _data(snap: Any) -> dict[str, Any]:
+    """A snapshot's fields; empty for a missing document."""
+    return (snap.to_dict() or {}) if snap.exists else {}
+
+
+def _has_waiters(snap: Any) -> bool:
+    """Whether a lock document still holds a live waiter's place, at its read time."""
+    return queue_head(queue_of(_data(snap)), server_ms(snap.read_time)) is not None
+
+
+def _queue_fields(data: Mapping[str, Any], queue: Queue, arrivals: int) -> dict[str, Any]:
+    """The queue fields of a write: ``queue`` and the arrival counter, or, once
+    nobody waits, the deletion of the fields ``data`` has."""
+    if queue:
+        return {WAITERS: queue_value(queue), ARRIVALS: arrivals}
+    return {name: _firestore().DELETE_FIELD for name in (WAITERS, ARRIVALS) if name in data}
+
+
+def _vacated(waiting_until: int) -> dict[str, Any]:
+    """The fields of a release that keeps the document for its waiters: no lock, and
+    the document's own expiry, the last waiter's (for cleanup and the TTL policy)."""
+    delete = _firestore().DELETE_FIELD
+    return {
+        "lockId": delete,
+        "fence": delete,
+        "acquiredAtMs": delete,
+        "expiresAtMs": waiting_until,
+        "purgeAt": purge_at(waiting_until),
+    }
+
+
+def _queue_update(
+    data: Mapping[str, Any], queue: Queue, arrivals: int, *, vacate: bool = False
+) -> dict[str, Any]:
+    """The update of a document that keeps waiters (``queue`` is not empty): the queue
+    fields, and when the document may be purged. A document without a lock (or whose
+    lock this write releases: ``vacate``) expires with its last waiter."""
+    fields = _queue_fields(data, queue, arrivals)
+    waiting_until = last_until(queue) or 0
+    if vacate:
+        return {**fields, **_vacated(waiting_until)}
+    if not data.get("lockId"):  # a waiter-only document
+        return {**fields, "expiresAtMs": waiting_until, "purgeAt": purge_at(waiting_until)}
+    return {**fields, "purgeAt": purge_at(max(int(data["expiresAtMs"]), waiting_until))}
+
+
+def _renewal_due(
+    before: tuple[int, int] | None, after: tuple[int, int], ticket: WaitTicket, now: int
+) -> bool:
+    """Whether a waiter's attempt must write its place: a new place, or one written at
+    least half a check-in (or half its patience) ago. A healthy waiter so renews at
+    every check-in, and one polling fast (the first in line without wake-ups) writes
+    the document twice a second, not at every attempt."""
+    if before is None or before[0] != after[0]:
+        return True
+    written_ago = ticket.patience_ms - (before[1] - now)
+    return written_ago >= min(CHECK_IN_MS // 2, ticket.patience_ms // 2)
 
 
 def _unchanged_since(update_time: Any) -> dict[str, Any]:

@@ -197,11 +197,16 @@ class FirestoreHarness(Harness):
         return self.firestore.now_ms()
 
     def advance(self, ms: int) -> None:
+        # Lock fields, and the waiters' places (a waiter-only document has no lock).
         for snap in self.firestore.client.collection(self.firestore.collection).stream():
             data = snap.to_dict()
-            snap.reference.update(
-                {"expiresAtMs": data["expiresAtMs"] - ms, "acquiredAtMs": data["acquiredAtMs"] - ms}
-            )
+            aged = {f: data[f] - ms for f in ("expiresAtMs", "acquiredAtMs") if f in data}
+            if data.get("waiters"):
+                aged["waiters"] = {
+                    ticket_id: {**entry, "liveUntilMs": entry["liveUntilMs"] - ms}
+                    for ticket_id, entry in data["waiters"].items()
+                }
+            snap.reference.update(aged)
 
     def set_fence(self, key: str, value: int) -> None:
         _, fence_ref = self.firestore._refs(normalize_and_validate_key(key))

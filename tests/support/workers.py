@@ -121,3 +121,62 @@ def firestore_hammer(emulator_host, options, key, iterations, barrier, results) 
         records.append((seen, current_lock().fence))
 
     _hammer(backend, key, iterations, critical_section, records, barrier, results, retry_delay_ms=5)
+
+
+# ---------------------------------------------------------- Firestore wake-ups
+def firestore_holder(emulator_host, options, conn) -> None:
+    """Another process of the application: takes and releases locks on command.
+
+    Commands on the pipe ``conn``: ``("acquire", key, ttl_ms)`` answers ``(ok,
+    lock_id, fence)``; ``("release", lock_id, delay_s)`` releases after ``delay_s``
+    (jitter for races) and answers ``ok``; ``("stop",)`` ends. An error is answered
+    with the exception.
+    """
+    import time
+
+    os.environ["FIRESTORE_EMULATOR_HOST"] = emulator_host
+    from django_syncguard.backends.firestore import FirestoreBackend
+
+    backend = FirestoreBackend("holder", {"OPTIONS": options})
+    try:
+        while (command := conn.recv())[0] != "stop":
+            try:
+                if command[0] == "acquire":
+                    result = backend.acquire(command[1], command[2])
+                    conn.send((result.ok, result.lock_id, result.fence))
+                else:
+                    time.sleep(command[2])
+                    conn.send(backend.release(command[1]).ok)
+            except Exception as exc:
+                conn.send(exc)
+    finally:
+        backend.close()
+
+
+def firestore_fair_waiter(emulator_host, options, key, name, queued, results) -> None:
+    """``lock()`` on ``key``; sets ``queued`` once an attempt found the key held (its
+    ticket is in the queue), then reports ``(name, fence)``."""
+    os.environ["FIRESTORE_EMULATOR_HOST"] = emulator_host
+    from django_syncguard import current_lock, lock
+    from django_syncguard.backends.firestore import FirestoreBackend
+    from django_syncguard.signals import lock_contended
+
+    backend = FirestoreBackend("waiter", {"OPTIONS": options})
+
+    def contended(sender, **kwargs) -> None:
+        queued.set()
+
+    lock_contended.connect(contended, weak=False)
+    try:
+        fence = lock(
+            lambda: current_lock().fence,
+            key=key,
+            using=backend,
+            timeout_ms=120_000,
+            max_retries=1_000_000,
+        )
+        results.put((name, fence))
+    except Exception as exc:
+        results.put(exc)
+    finally:
+        backend.close()

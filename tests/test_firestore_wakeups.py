@@ -1,0 +1,401 @@
+"""Fair queues and wake-ups on the Firestore emulator, across OS processes.
+
+The contract suite (tests/test_waiting_contract.py) covers the queue rule; here: the
+queue's document layout, wake-ups sent by releases in other processes, fairness of
+``lock()`` across processes, a randomized release/acquire race, a broken stream, and
+async waiters. Wake-ups are awaited on events; sleeps only add jitter to races.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from django_syncguard import current_lock, generate_lock_id, lock
+from django_syncguard.backends import firestore_wakeups
+from django_syncguard.backends.firestore import FirestoreBackend
+from django_syncguard.signals import lock_contended
+from django_syncguard.waiting import PATIENCE_MS, WaitTicket
+from tests.support import workers
+from tests.support.harness import FirestoreHarness
+from tests.support.processes import Children
+from tests.support.proxy import FaultProxy
+
+TTL = 60_000
+WAKE_S = 10.0  # generous bound for an event that must arrive; never slept
+RACE_ROUNDS = 300
+CLOSE_ROUNDS = 100
+
+
+def ticket(patience_ms: int = PATIENCE_MS) -> WaitTicket:
+    return WaitTicket(generate_lock_id(), patience_ms)
+
+
+def fences(*numbers: int) -> list[str]:
+    return [f"{n:015d}" for n in numbers]
+
+
+@pytest.fixture
+def fh(firestore_emulator) -> Iterator[FirestoreHarness]:
+    harness = FirestoreHarness()
+    yield harness
+    harness.close()
+
+
+def elsewhere(fh: FirestoreHarness) -> FirestoreBackend:
+    """The same collections through another backend object (another client)."""
+    return FirestoreBackend("elsewhere", fh.settings_entry)
+
+
+def lock_doc(fh: FirestoreHarness, key: str) -> dict[str, Any] | None:
+    return fh.firestore._refs(key)[0].get().to_dict()
+
+
+@pytest.fixture
+def holder(firestore_emulator, fh) -> Iterator[Any]:
+    """A pipe to another OS process that takes and releases locks on command."""
+    children = Children()
+    ours, theirs = children.ctx.Pipe()
+    options = fh.settings_entry["OPTIONS"]
+    children.start(workers.firestore_holder, firestore_emulator.host, options, theirs)
+    try:
+        yield ours
+        ours.send(("stop",))
+        children.join()
+    finally:
+        children.terminate()
+
+
+def held_elsewhere(holder: Any, key: str) -> str:
+    holder.send(("acquire", key, TTL))
+    ok, lock_id, _ = holder.recv()
+    assert ok is True
+    return lock_id
+
+
+# ------------------------------------------------------------------ the layout
+def test_a_release_keeps_the_waiters_in_a_document_without_a_lock(fh):
+    backend = fh.firestore
+    held = backend.acquire("layout", TTL)
+    a, b = ticket(), ticket()
+    assert backend.acquire("layout", TTL, ticket=a).queue_position == 0
+    assert backend.acquire("layout", TTL, ticket=b).queue_position == 1
+    doc = lock_doc(fh, "layout")
+    assert doc["arrivals"] == 2
+    assert {t: e["arrival"] for t, e in doc["waiters"].items()} == {a.id: 1, b.id: 2}
+
+    assert backend.release(held.lock_id).ok is True
+
+    doc = lock_doc(fh, "layout")
+    assert set(doc) == {"key", "waiters", "arrivals", "expiresAtMs", "purgeAt"}
+    assert doc["expiresAtMs"] == max(e["liveUntilMs"] for e in doc["waiters"].values())
+    # Free for every reader, though the document stays for its waiters.
+    assert backend.is_locked("layout") is False
+    assert backend.lookup(key="layout") is None
+    assert backend.list_locks().records == ()
+    assert list(backend.delete_expired()) == []  # live waiters keep it
+    assert lock_doc(fh, "layout") is not None
+
+    got_a = backend.acquire("layout", TTL, ticket=a)
+    assert got_a.fence == "000000000000002"
+    assert set(lock_doc(fh, "layout")["waiters"]) == {b.id}
+    backend.withdraw("layout", b.id)
+    assert "waiters" not in lock_doc(fh, "layout")
+    assert backend.release(got_a.lock_id).ok is True
+    assert lock_doc(fh, "layout") is None  # nobody waits: deleted, as before
+
+
+def test_a_document_whose_waiters_all_lapsed_is_cleaned_up(fh):
+    backend = fh.firestore
+    held = backend.acquire("lapsed", TTL)
+    assert not backend.acquire("lapsed", TTL, ticket=ticket(patience_ms=1_000)).ok
+    assert backend.release(held.lock_id).ok is True
+    assert lock_doc(fh, "lapsed") is not None
+    fh.advance(1_000 + 2_000 + 1)  # past the place's end and the cleanup guard
+    assert list(backend.delete_expired()) == [1]
+    assert lock_doc(fh, "lapsed") is None
+    assert backend.acquire("lapsed", TTL).fence == "000000000000002"
+
+
+def test_a_waiter_polling_fast_does_not_write_at_every_attempt(fh):
+    backend = fh.firestore
+    backend.acquire("calm", TTL)
+    t = ticket()
+    assert not backend.acquire("calm", TTL, ticket=t).ok
+    written = fh.firestore._refs("calm")[0].get().update_time
+    assert backend.acquire("calm", TTL, ticket=t).queue_position == 0
+    assert fh.firestore._refs("calm")[0].get().update_time == written
+
+
+# ------------------------------------------------------- wake-ups across processes
+def test_a_release_in_another_process_wakes_a_waiter_here(fh, holder):
+    backend = fh.firestore
+    lock_id = held_elsewhere(holder, "wake")
+    t = ticket()
+    listener = backend.wake_ups.listen("wake", t.id)
+    try:
+        assert listener.healthy is True  # the watch is confirmed
+        assert backend.acquire("wake", TTL, ticket=t).queue_position == 0
+        holder.send(("release", lock_id, 0))
+        assert holder.recv() is True
+        assert listener.wait(WAKE_S, None) is True
+        assert listener.healthy is True  # woken by the release, not by a lost stream
+        assert backend.acquire("wake", TTL, ticket=t).fence == "000000000000002"
+    finally:
+        listener.close()
+
+
+def test_lock_is_fair_across_three_processes(firestore_emulator, fh):
+    # Each process queues (its first attempt finds the key held) before the next one
+    # starts; one release then hands the key down the queue, process to process.
+    backend = fh.firestore
+    options = fh.settings_entry["OPTIONS"]
+    held = backend.acquire("fair", TTL)
+    children = Children()
+    results = children.ctx.Queue()
+    try:
+        for name in "abc":
+            queued = children.ctx.Event()
+            children.start(
+                workers.firestore_fair_waiter,
+                firestore_emulator.host,
+                options,
+                "fair",
+                name,
+                queued,
+                results,
+            )
+            assert queued.wait(120)
+        assert backend.release(held.lock_id).ok is True
+        got = [results.get(timeout=120) for _ in "abc"]
+        children.join()
+    finally:
+        children.terminate()
+    assert not [r for r in got if isinstance(r, BaseException)], got
+    assert sorted(got, key=lambda r: r[1]) == list(zip("abc", fences(2, 3, 4), strict=True))
+
+
+def test_no_wake_up_is_lost_in_a_randomized_release_acquire_race(fh, holder):
+    # Another process holds the key and releases it after a random delay; this one
+    # queues after another random delay: before the release (it must be woken),
+    # after it (the key is free), or during it (either, decided by the guards).
+    backend = fh.firestore
+    seed = random.randrange(2**32)
+    rng = random.Random(seed)
+    outcomes: list[str] = []
+    # The watch starts before any write to the key, and stays for every round: the
+    # emulator may garble a stream whose watch is added during a write (see the spec).
+    keeper = backend.wake_ups.listen("race", generate_lock_id())
+    assert keeper.healthy is True
+    for _ in range(RACE_ROUNDS):
+        lock_id = held_elsewhere(holder, "race")
+        holder.send(("release", lock_id, rng.uniform(0, 0.02)))
+        time.sleep(rng.uniform(0, 0.02))  # jitter for the race, not synchronisation
+        t = ticket()
+        listener = backend.wake_ups.listen("race", t.id)
+        try:
+            assert listener.healthy is True  # the watch stays: confirmed at once
+            result = backend.acquire("race", TTL, ticket=t)
+            outcomes.append("free" if result.ok else "woken")
+            if not result.ok:
+                assert listener.wait(WAKE_S, None) is True, f"lost wake-up (seed {seed})"
+                assert listener.healthy is True  # woken by the release, not by a lost stream
+                result = backend.acquire("race", TTL, ticket=t)
+                assert result.ok is True, f"woken too early (seed {seed})"
+        finally:
+            listener.close()
+        assert holder.recv() is True
+        assert backend.release(result.lock_id).ok is True
+    keeper.close()
+    assert set(outcomes) == {"free", "woken"}, (seed, outcomes)
+    assert backend.acquire("race", TTL).fence == f"{2 * RACE_ROUNDS + 1:015d}"
+
+
+# --------------------------------------------------------------- a broken stream
+class Queued:
+    """Set when a ``lock()`` attempt in this process found ``key`` held."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        lock_contended.connect(self.receive)
+
+    def receive(self, sender: Any, **kwargs: Any) -> None:
+        self.event.set()
+
+    def close(self) -> None:
+        lock_contended.disconnect(self.receive)
+
+
+def waiter_thread(backend: FirestoreBackend, key: str, fences_seen: list[str]) -> threading.Thread:
+    def run() -> None:
+        fence = lock(
+            lambda: current_lock().fence,
+            key=key,
+            using=backend,
+            timeout_ms=60_000,
+            max_retries=1_000_000,
+        )
+        fences_seen.append(fence)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread
+
+
+def test_a_stopped_watch_leaves_waiters_polling_and_they_still_acquire(fh):
+    waiter, rival = fh.firestore, elsewhere(fh)
+    held = rival.acquire("stopped", TTL)
+    queued, seen = Queued(), []
+    try:
+        thread = waiter_thread(waiter, "stopped", seen)
+        assert queued.event.wait(WAKE_S)
+        waiter.wake_ups.close()  # no watch any more: nothing will wake the waiter
+        assert waiter.wake_ups.connected is False
+        assert rival.release(held.lock_id).ok is True
+        thread.join(WAKE_S * 3)
+        assert seen == ["000000000000002"]
+    finally:
+        queued.close()
+        rival.close()
+
+
+def test_a_dropped_stream_is_reported_and_reestablished(firestore_emulator, monkeypatch, caplog):
+    caplog.set_level("WARNING", logger="django_syncguard.backends.firestore.wakeups")
+    suffix = uuid.uuid4().hex[:12]
+    options = {
+        "PROJECT": FirestoreHarness.project,
+        "COLLECTION": f"locks_{suffix}",
+        "FENCE_COLLECTION": f"fences_{suffix}",
+    }
+    rival = FirestoreBackend("rival", {"OPTIONS": options})
+    with FaultProxy(firestore_emulator.port) as proxy:
+        monkeypatch.setenv("FIRESTORE_EMULATOR_HOST", proxy.host)
+        waiter = FirestoreBackend("proxied", {"OPTIONS": options})
+        held = rival.acquire("dropped", TTL)
+        t = ticket()
+        listener = waiter.wake_ups.listen("dropped", t.id)
+        try:
+            assert listener.healthy is True
+            assert waiter.acquire("dropped", TTL, ticket=t).queue_position == 0
+
+            proxy.drop()  # resets every connection, the Listen stream's included
+
+            assert listener.wait(WAKE_S, None) is True  # told: it may have missed a release
+            assert listener.healthy is False  # from now on it polls
+            assert any("lost their Firestore stream" in r.getMessage() for r in caplog.records)
+            assert waiter.wake_ups.wait_connected(WAKE_S) is True  # reconnected
+            # The watch is back: a new listener is healthy, and releases wake both.
+            t2 = ticket()
+            fresh = waiter.wake_ups.listen("dropped", t2.id)
+            try:
+                assert fresh.healthy is True
+                assert waiter.acquire("dropped", TTL, ticket=t2).queue_position == 1
+                assert rival.release(held.lock_id).ok is True
+                assert listener.wait(WAKE_S, None) is True  # t is first in line
+                got = waiter.acquire("dropped", TTL, ticket=t)
+                assert got.fence == "000000000000002"
+                assert waiter.release(got.lock_id).ok is True
+                assert fresh.wait(WAKE_S, None) is True
+                assert waiter.acquire("dropped", TTL, ticket=t2).fence == "000000000000003"
+            finally:
+                fresh.close()
+        finally:
+            listener.close()
+            waiter.close()
+            rival.close()
+
+
+def test_closing_wake_ups_never_fails_other_clients_writes(fh):
+    # On the emulator, a Listen call cancelled (or half-closed) while it still watches
+    # a document makes concurrent commits to that document fail, though applied.
+    # Closing removes the targets first; here, watchers come and go while another
+    # client keeps taking and releasing the key they watch. (A watch added during a
+    # write is sometimes refused a healthy start: the emulator then sends a corrupt
+    # message, the stream is lost and the waiter would poll; see the spec.)
+    rival = elsewhere(fh)
+    errors: list[BaseException] = []
+    done = threading.Event()
+
+    def churn() -> None:
+        while not done.is_set():
+            try:
+                result = rival.acquire("churn", TTL)
+                if result.ok:
+                    rival.release(result.lock_id)
+            except Exception as exc:
+                errors.append(exc)
+
+    writer = threading.Thread(target=churn)
+    writer.start()
+    try:
+        for _ in range(CLOSE_ROUNDS):
+            watcher = elsewhere(fh)
+            watcher.wake_ups.listen("churn", generate_lock_id()).close()
+            watcher.close()
+    finally:
+        done.set()
+        writer.join()
+        rival.close()
+    assert errors == []
+
+
+# ------------------------------------------------------------------------- async
+async def test_an_async_waiter_is_woken_by_a_release_in_another_process(fh, holder):
+    backend = fh.firestore
+    lock_id = await asyncio.to_thread(held_elsewhere, holder, "async")
+    t = ticket()
+    listener = await backend.wake_ups.alisten("async", t.id)
+    try:
+        assert (await backend.aacquire("async", TTL, ticket=t)).queue_position == 0
+        gone = ticket()
+        assert (await backend.aacquire("async", TTL, ticket=gone)).queue_position == 1
+        await backend.awithdraw("async", gone.id)
+        assert set(lock_doc(fh, "async")["waiters"]) == {t.id}
+        holder.send(("release", lock_id, 0))
+        assert await listener.await_wake(WAKE_S, None) is True
+        assert listener.healthy is True
+        assert (await backend.aacquire("async", TTL, ticket=t)).fence == "000000000000002"
+    finally:
+        listener.close()
+    assert await asyncio.to_thread(holder.recv) is True
+
+
+# -------------------------------------------------------------- watch lifecycle
+def test_a_key_stays_watched_a_while_after_its_last_waiter(fh, monkeypatch):
+    monkeypatch.setattr(firestore_wakeups, "MAX_IDLE_WATCHES", 1)
+    wake_ups = fh.firestore.wake_ups
+    wake_ups.listen("idle:1", generate_lock_id()).close()
+    assert wake_ups.watched() == ["idle:1"]  # kept: a waiter may come back soon
+    again = wake_ups.listen("idle:1", generate_lock_id())
+    assert again.healthy is True
+    again.close()
+    wake_ups.listen("idle:2", generate_lock_id()).close()
+    assert wake_ups.watched() == ["idle:2"]  # beyond the cap the longest idle goes
+
+
+def test_a_forked_child_starts_its_own_stream(fh, holder):
+    # A real fork would copy the gRPC state too; this pretends the process changed,
+    # which is what the registry checks, and shows the state rebuilt from nothing.
+    wake_ups = fh.firestore.wake_ups
+    wake_ups.listen("fork", generate_lock_id()).close()
+    parent_thread = wake_ups._thread
+    wake_ups._pid = -1  # as a forked child sees its parent's registry
+    lock_id = held_elsewhere(holder, "fork")
+    t = ticket()
+    listener = wake_ups.listen("fork", t.id)
+    try:
+        assert wake_ups._thread is not parent_thread  # a stream of its own
+        assert listener.healthy is True
+        assert fh.firestore.acquire("fork", TTL, ticket=t).queue_position == 0
+        holder.send(("release", lock_id, 0))
+        assert holder.recv() is True
+        assert listener.wait(WAKE_S, None) is True
+    finally:
+        listener.close()
