@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any, ClassVar, TypeVar
@@ -141,7 +142,9 @@ class DatabaseBackend(BatchedCleanup, BaseLockBackend):
         )
 
     def _listen_connection(self) -> BaseDatabaseWrapper:
-        wrapper = self.connections.dedicated(self.listen_database)
+        # Named for operators: which process and alias holds this LISTEN session.
+        name = f"syncguard listen {os.getpid()} {self.alias}"[:63]
+        wrapper = self.connections.dedicated(self.listen_database, name)
         try:
             wrapper.ensure_connection()
         except Exception:

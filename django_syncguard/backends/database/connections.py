@@ -94,14 +94,19 @@ class PrivateConnections:
             weakref.finalize(threading.current_thread(), close_quietly, wrapper)
         return wrapper
 
-    def dedicated(self, database: str) -> BaseDatabaseWrapper:
+    def dedicated(self, database: str, application_name: str) -> BaseDatabaseWrapper:
         """A new connection of our own to the ``DATABASES`` alias ``database``, with
         the same settings as the per-thread ones, opened and closed by the caller (the
-        PostgreSQL listener's). Never from a pool: it keeps its session for itself."""
+        PostgreSQL listener's), named ``application_name`` in ``pg_stat_activity``.
+        Never from a pool: it keeps its session for itself. Its alias is not the
+        alias's own (``"<alias>:syncguard-listen"``): it is not that alias's connection,
+        and what watches the alias's connections (``connection_created`` receivers,
+        test cases that allow some aliases only) has no business with it."""
         source = connections[database]
         private = self._private_settings(source.settings_dict)
         private["OPTIONS"].pop("pool", None)
-        wrapper = type(source)(private, database)
+        private["OPTIONS"]["application_name"] = application_name
+        wrapper = type(source)(private, f"{database}:syncguard-listen")
         if self.operations.over_network:
             bound_replies(wrapper, self.operation_timeout_ms / 1000 + REPLY_MARGIN_S)
         return wrapper

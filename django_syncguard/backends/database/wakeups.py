@@ -149,6 +149,7 @@ class PostgresWakeUps(WakeUps):
         self._wanted: set[str] = set()  # to LISTEN on the next turn of the thread
         self._unused: dict[str, float] = {}  # channel -> when its last waiter left
         self._keys: dict[str, str] = {}  # channel -> key, for deliver()
+        self._pid_of_connection: int | None = None
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -182,10 +183,9 @@ class PostgresWakeUps(WakeUps):
             return True
 
     def _subscribed(self, key: str) -> bool:
-        channel = channel_name(self._storage_key(key))
-        with self._cond:
-            self._unused.pop(channel, None)
-            return self._status == "connected" and channel in self._listening
+        # The first waiter's subscription may still be on its way: wait for it as the
+        # first waiter does (or ask again, if the connection was lost meanwhile).
+        return self._subscribe(key)
 
     def _unsubscribe(self, key: str) -> None:
         # Lazily: the thread UNLISTENs the channel once it has been unused for a while.
@@ -218,6 +218,23 @@ class PostgresWakeUps(WakeUps):
         """The channels LISTENed on the current connection (for tests and operators)."""
         with self._cond:
             return frozenset(self._listening)
+
+    @property
+    def backend_pid(self) -> int | None:
+        """The server process of the listening connection, while connected."""
+        return self._pid_of_connection
+
+    def wait_connected(self, timeout_s: float) -> bool:
+        """Block until the listener is connected (True), closed or deaf, or for
+        ``timeout_s`` at most."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self._status != "connected":
+                left = deadline - time.monotonic()
+                if self._status in ("deaf", "closed") or left <= 0:
+                    return False
+                self._cond.wait(left)
+            return True
 
     # ------------------------------------------------------------ the thread
     def _start(self) -> None:
@@ -270,6 +287,7 @@ class PostgresWakeUps(WakeUps):
             if was != "closed":
                 self._status = "down"
             self._listening.clear()
+            self._pid_of_connection = None
             self._cond.notify_all()
         if was == "connected":
             logger.warning(
@@ -313,6 +331,7 @@ class PostgresWakeUps(WakeUps):
             if self._status == "closed":
                 return
             self._status = "connected"
+            self._pid_of_connection = raw.info.backend_pid
             self._listening = set(channels)
             self._wanted -= channels
             self._cond.notify_all()
