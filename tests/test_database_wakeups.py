@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import multiprocessing
 import os
 import random
 import threading
@@ -316,6 +317,53 @@ async def test_an_async_waiter_is_woken_by_a_release(pg, other):
         assert (await other.arelease(held.lock_id)).ok
         assert await listener.await_wake(WAKE_S, None) is True
         assert (await pg.aacquire("wake:async", TTL, ticket=ticket)).fence == "000000000000002"
+    finally:
+        listener.close()
+
+
+def _forked_waiter(wake_ups: Any, key: str, ticket_id: str, reports: Any) -> None:
+    """In a forked child: listen on the inherited wake-ups, report, wait to be woken."""
+    try:
+        listener = wake_ups.listen(key, ticket_id)
+        reports.put(("listening", listener.healthy, wake_ups.backend_pid))
+        reports.put(("woken", listener.wait(WAKE_S, None)))
+        wake_ups.close()
+    except Exception as exc:
+        reports.put(exc)
+
+
+@on_postgres
+def test_a_forked_child_listens_on_its_own_connection_and_leaves_the_parent_s(pg, other):
+    parent = pg.wake_ups
+    mine = WaitTicket.new()
+    listener = parent.listen("wake:fork", mine.id)
+    try:
+        assert listener.healthy
+        parents_pid = parent.backend_pid
+        ctx = multiprocessing.get_context("fork")
+        reports = ctx.Queue()
+        ticket = WaitTicket.new()
+        child = ctx.Process(target=_forked_waiter, args=(parent, "wake:fork", ticket.id, reports))
+        child.start()
+        try:
+            _, healthy, childs_pid = reply(reports)
+            assert healthy is True
+            assert childs_pid not in (None, parents_pid)
+            # The child's ticket first in line, then ours: each release wakes its own.
+            held = other.acquire("wake:fork", TTL)
+            assert other.acquire("wake:fork", TTL, ticket=ticket).queue_position == 0
+            assert pg.acquire("wake:fork", TTL, ticket=mine).queue_position == 1
+            assert other.release(held.lock_id).ok
+            assert reply(reports) == ("woken", True)
+            got = other.acquire("wake:fork", TTL, ticket=ticket)
+            assert other.release(got.lock_id).ok
+            assert listener.wait(WAKE_S, None) is True  # the parent's session is intact
+            assert (parent.backend_pid, listener.healthy) == (parents_pid, True)
+        finally:
+            child.join(WAKE_S)
+            if child.is_alive():
+                child.terminate()
+        assert child.exitcode == 0
     finally:
         listener.close()
 

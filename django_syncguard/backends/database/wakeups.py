@@ -212,6 +212,10 @@ class PostgresWakeUps(WakeUps):
     def _reset_after_fork(self) -> None:
         # The parent's thread does not exist here, and its connection belongs to the
         # parent: drop it without closing (closing would end the parent's session).
+        # The pipe is this process's copy: close it.
+        for fd in (self._wake_r, self._wake_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
         self._init_state()
 
     def listening(self) -> frozenset[str]:
@@ -255,7 +259,7 @@ class PostgresWakeUps(WakeUps):
             return self._status == "closed"
 
     def _run(self) -> None:
-        failures = 0
+        failures = 0  # in a row, since the last connection that worked
         while not self._stopping():
             wrapper: BaseDatabaseWrapper | None = None
             try:
@@ -263,19 +267,21 @@ class PostgresWakeUps(WakeUps):
                 self._serve(wrapper.connection)
                 return  # closed
             except _Deaf:
+                # Listeners were never healthy on this connection: nothing was lost.
+                self.reaches_other_processes = False
                 with self._cond:
                     if self._status != "closed":
                         self._status = "deaf"
                     self._listening.clear()
                     self._cond.notify_all()
-                # Listeners were never healthy on this connection: nothing was lost.
-                self.reaches_other_processes = False
                 return
             except Exception as exc:
-                failures += 1
-                if self._lost(exc, failures):
+                if self._lost(exc, failures + 1):
+                    failures = 0
                     self.connection_lost()
+                failures += 1
             finally:
+                self._pid_of_connection = None
                 if wrapper is not None:
                     close_quietly(wrapper)
             self._pause(min(RECONNECT_MIN_S * 2 ** min(failures - 1, 10), RECONNECT_MAX_S))
