@@ -21,6 +21,9 @@ class Lock(models.Model):
     fence = models.CharField(max_length=15)
     #: The user key when it differs from ``key`` (hashed storage key); else NULL.
     user_key = models.TextField(null=True, blank=True)  # noqa: DJ001 - NULL means "same as key"
+    #: A waiter may be queued for this key (PostgreSQL): only then does a release look
+    #: for one to wake. Never False while one is (it may stay True after they left).
+    waiters = models.BooleanField(db_default=False)
 
     class Meta:
         db_table = "syncguard_locks"
@@ -48,6 +51,10 @@ class FenceCounter(models.Model):
 
     fence_key = models.TextField(primary_key=True)
     fence = models.BigIntegerField(default=0)
+    #: The key's wait queue may have tickets (PostgreSQL): only then does an acquire
+    #: of the free key read the queue. Never False while it has (it may stay True
+    #: after they left, until the key is next taken).
+    waiters = models.BooleanField(db_default=False)
 
     class Meta:
         db_table = "syncguard_fence_counters"

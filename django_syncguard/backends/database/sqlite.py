@@ -69,7 +69,7 @@ UPSERT_FENCE = (
 )
 RELEASE = (
     "DELETE FROM syncguard_locks WHERE lock_id = %s AND expires_at_ms > %s "
-    "RETURNING coalesce(user_key, key)"
+    "RETURNING key, coalesce(user_key, key)"
 )
 
 # The wait queue, in the attached queue file: the layout of the syncguard_waiters table
@@ -161,9 +161,6 @@ class SqliteOperations(DatabaseOperations):
         self, run: Runner, clock: Clock = system_clock_ms, *, database: str, queues: bool = True
     ) -> None:
         self._wal_mode: bool | None = None
-        #: This process's wake-ups for the database file, once a waiter needed them.
-        self._wake_ups: LocalWakeUps | None = None
-        self.storage_key: Callable[[str], str] = lambda key: key
         bounded = self._bounded_under_caller_transaction(run)
         super().__init__(bounded, clock, database=database, queues=queues)
         watch_transaction_writes(database)
@@ -365,16 +362,16 @@ class SqliteOperations(DatabaseOperations):
     def release(self, lock_id: str) -> tuple[bool, bool]:
         now = self.clock()
 
-        def release(cursor: Any) -> tuple[str | None, bool]:
+        def release(cursor: Any) -> tuple[Row | None, bool]:
             row = fetch_row(cursor, RELEASE, [lock_id, now - TIME_TOLERANCE_MS])
             if row is not None:
-                return str(row[0]), True
+                return row, True
             return None, fetch_value(cursor, EXISTS_ID, [lock_id]) is not None
 
-        key, existed = self.run(release)  # the key of the deleted lock, if one was
-        if key is None:
+        deleted, existed = self.run(release)  # (storage key, key) of the deleted lock
+        if deleted is None:
             return False, existed
-        self._wake_next(key, self.storage_key(key), now)
+        self._wake_next(str(deleted[1]), str(deleted[0]), now)
         return True, True
 
     def withdraw(self, keys: StorageKeys, key: str, ticket_id: str) -> None:
@@ -390,7 +387,7 @@ class SqliteOperations(DatabaseOperations):
     def _wake_next(self, key: str, storage_key: str, now: int) -> None:
         """Wake the first live waiter of the free ``key``, if it waits in this process
         (no other process can be reached: they poll)."""
-        wake_ups = self._wake_ups
+        wake_ups = _local_wake_ups.get(queue_file(self._name())) if self.queues else None
         if wake_ups is None or not wake_ups.waiting_on(key):
             return
         head = queue_head(self.run(lambda c: _read_queue(c, storage_key)), now)
@@ -398,14 +395,11 @@ class SqliteOperations(DatabaseOperations):
             wake_ups.deliver(key, head)
 
     def make_wake_ups(self, name: str, hooks: WakeUpHooks) -> WakeUps:
-        # One registry per database file in this process: every backend on the file
-        # wakes the waiters of every other.
-        self.storage_key = hooks.storage_key
+        # One registry per database file in this process: a release through any backend
+        # on the file wakes the waiters of every other.
         path = queue_file(self._name())
         with _local_wake_ups_mutex:
-            wake_ups = _local_wake_ups.setdefault(path, LocalWakeUps(f"sqlite:{path}"))
-        self._wake_ups = wake_ups
-        return wake_ups
+            return _local_wake_ups.setdefault(path, LocalWakeUps(f"sqlite:{path}"))
 
     def extend(self, lock_id: str, ttl_ms: int) -> tuple[int | None, bool]:
         now = self.clock()

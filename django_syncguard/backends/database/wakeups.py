@@ -205,6 +205,8 @@ class PostgresWakeUps(WakeUps):
             self._cond.notify_all()
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout=self._reply_timeout_s + 1)
+            if thread.is_alive():
+                return  # stuck on the network: it may still read the pipe; leave it
         for fd in (self._wake_r, self._wake_w):
             with contextlib.suppress(OSError):
                 os.close(fd)
@@ -321,7 +323,7 @@ class PostgresWakeUps(WakeUps):
 
     def _serve(self, raw: Any) -> None:
         """Listen on ``raw`` until closed; raises when the connection fails."""
-        if "timeout" not in signature(getattr(raw, "notifies", lambda: None)).parameters:
+        if not _can_wait_for_notifies(raw):
             logger.warning(UNSUPPORTED_WARNING, self.name)
             raise _Deaf
         if not self._probed:
@@ -428,6 +430,15 @@ class PostgresWakeUps(WakeUps):
         self._execute(raw, f"UNLISTEN {_quoted(channel)}")
 
 
+def _can_wait_for_notifies(raw: Any) -> bool:
+    """Whether the driver connection has psycopg 3.2's ``notifies(timeout=...)``
+    (psycopg2's ``notifies`` is a list)."""
+    try:
+        return "timeout" in signature(raw.notifies).parameters
+    except (AttributeError, TypeError, ValueError):
+        return False
+
+
 def _wait_for(raw: Any, channel: str, payload: str, timeout_s: float) -> bool:
     """Whether the notification arrives on ``raw`` within ``timeout_s`` (others that
     arrive meanwhile are dropped: nothing else is LISTENed yet)."""
@@ -447,7 +458,7 @@ def delivers_notifications(
     wrapper = connect()
     try:
         raw = wrapper.connection
-        if "timeout" not in signature(getattr(raw, "notifies", lambda: None)).parameters:
+        if not _can_wait_for_notifies(raw):
             return False
         channel = f"syncguard_probe_{secrets.token_hex(8)}"
         payload = secrets.token_hex(8)
