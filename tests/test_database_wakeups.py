@@ -112,15 +112,27 @@ def alias_to(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
 
 
 # ------------------------------------------------------------------ PostgreSQL
+def queue_and_subscribe(backend: DatabaseBackend, key: str, ticket: WaitTicket) -> Any:
+    """Register ``ticket``'s listener and queue it on the held ``key``. The first
+    contended attempt LISTENs on the key's channel; the listener is healthy once the
+    server confirmed, and it is woken then, to try again (as a waiter would)."""
+    listener = backend.wake_ups.listen(key, ticket.id)
+    assert not backend.acquire(key, TTL, ticket=ticket).ok
+    if not listener.healthy:
+        assert listener.wait(WAKE_S, None) is True  # subscribed: try again
+        assert not backend.acquire(key, TTL, ticket=ticket).ok
+    assert listener.healthy
+    return listener
+
+
 @on_postgres
 def test_a_release_in_another_process_wakes_a_waiter_here(pg, children):
     to_parent, from_parent = children.ctx.Queue(), children.ctx.Queue()
     children.start(wakeup_workers.pg_holder, databases(), "wake:cross", to_parent, from_parent)
     assert reply(to_parent) == ("held", "000000000000001")
     ticket = WaitTicket.new()
-    listener = pg.wake_ups.listen("wake:cross", ticket.id)
+    listener = queue_and_subscribe(pg, "wake:cross", ticket)
     try:
-        assert listener.healthy
         generation = pg.wake_ups.generation
         queued = pg.acquire("wake:cross", TTL, ticket=ticket)
         assert queued == AcquireResult(ok=False, reason="locked", queue_position=0)
@@ -133,6 +145,13 @@ def test_a_release_in_another_process_wakes_a_waiter_here(pg, children):
     finally:
         listener.close()
     children.join()
+
+
+@on_postgres
+def test_an_uncontended_lock_never_listens(pg):
+    assert lock(lambda: current_lock().fence, key="wake:free", using=pg) == "000000000000001"
+    assert pg.wake_ups.listening() == frozenset()
+    assert pg.wake_ups.backend_pid is None  # no LISTEN connection was even opened
 
 
 def waiting_lock(backend: DatabaseBackend, key: str) -> tuple[threading.Thread, dict[str, Any]]:
@@ -173,7 +192,9 @@ def test_a_killed_listener_connection_means_polling_until_it_is_back(pg, other):
     thread, outcome = waiting_lock(pg, "wake:killed")
     try:
         assert outcome["queued"].wait(WAKE_S)
-        assert wake_ups.connected
+        wait_until(
+            lambda: channel_name("wake:killed") in wake_ups.listening(), WAKE_S, "subscribed"
+        )
         killed, generation = wake_ups.backend_pid, wake_ups.generation
         assert query(other, "SELECT pg_terminate_backend(%s)", [killed]) == [(True,)]
         wait_until(lambda: wake_ups.generation > generation, WAKE_S, "the loss was noticed")
@@ -186,11 +207,8 @@ def test_a_killed_listener_connection_means_polling_until_it_is_back(pg, other):
     assert wake_ups.wait_connected(WAKE_S)
     assert wake_ups.backend_pid not in (None, killed)
     held = other.acquire("wake:killed", TTL)
-    ticket = WaitTicket.new()
-    listener = wake_ups.listen("wake:killed", ticket.id)
+    listener = queue_and_subscribe(pg, "wake:killed", WaitTicket.new())
     try:
-        assert listener.healthy
-        assert not pg.acquire("wake:killed", TTL, ticket=ticket).ok
         other.release(held.lock_id)
         assert listener.wait(WAKE_S, None) is True
     finally:
@@ -208,6 +226,7 @@ def test_a_waiter_whose_listener_cannot_reconnect_acquires_by_polling(other, ali
             held = other.acquire("wake:cut", TTL)
             thread, outcome = waiting_lock(backend, "wake:cut")
             assert outcome["queued"].wait(WAKE_S)
+            assert wake_ups.wait_connected(WAKE_S)
             generation = wake_ups.generation
             proxy.stall()
             proxy.drop()
@@ -250,7 +269,15 @@ def test_no_wake_up_is_lost_when_releases_race_queued_attempts(pg, other):
                 finish.wait()
         except threading.BrokenBarrierError:
             return  # the test ended early
+        except Exception as exc:  # reported by the assertion on ``released``
+            released.append(exc)
+            finish.abort()
 
+    # Subscribe to the key's channel once; it stays LISTENed while the rounds use it.
+    warm_up, first = other.acquire("wake:race", TTL), WaitTicket.new()
+    queue_and_subscribe(pg, "wake:race", first).close()
+    pg.withdraw("wake:race", first.id)
+    other.release(warm_up.lock_id)
     released: list[bool] = []
     thread = threading.Thread(target=releaser, daemon=True)
     thread.start()
@@ -283,7 +310,7 @@ def test_no_wake_up_is_lost_when_releases_race_queued_attempts(pg, other):
         start.abort()
         finish.abort()
         thread.join(WAKE_S)
-    assert released == [True] * rounds
+    assert released == [True] * rounds, released[-1:]
     assert outcomes["queued"] > 0, outcomes  # the race did queue waiters
     assert outcomes["queued"] + outcomes["free"] == rounds
 
@@ -291,15 +318,23 @@ def test_no_wake_up_is_lost_when_releases_race_queued_attempts(pg, other):
 @on_postgres
 def test_one_listen_connection_per_process_whatever_the_number_of_waiters(pg, other):
     keys = [f"wake:many:{n % 5}" for n in range(40)]
+    for key in set(keys):
+        other.acquire(key, TTL)
+
+    def wait_for(key: str) -> Any:
+        ticket = WaitTicket.new()
+        listener = pg.wake_ups.listen(key, ticket.id)
+        assert not pg.acquire(key, TTL, ticket=ticket).ok
+        assert listener.healthy or listener.wait(WAKE_S, None)
+        return listener
+
     with ThreadPoolExecutor(8) as pool:
-        listeners = list(pool.map(lambda key: pg.wake_ups.listen(key, generate_lock_id()), keys))
+        listeners = list(pool.map(wait_for, keys))
     try:
         assert [listener.healthy for listener in listeners] == [True] * len(keys)
         name = f"syncguard listen {os.getpid()} {pg.alias}"
-        sessions = query(
-            other, "SELECT pid FROM pg_stat_activity WHERE application_name = %s", [name]
-        )
-        assert sessions == [(pg.wake_ups.backend_pid,)]
+        sql = "SELECT pid FROM pg_stat_activity WHERE application_name = %s"
+        assert query(other, sql, [name]) == [(pg.wake_ups.backend_pid,)]
         assert pg.wake_ups.listening() == {channel_name(key) for key in set(keys)}
     finally:
         for listener in listeners:
@@ -312,6 +347,8 @@ async def test_an_async_waiter_is_woken_by_a_release(pg, other):
     ticket = WaitTicket.new()
     listener = await pg.wake_ups.alisten("wake:async", ticket.id)
     try:
+        assert (await pg.aacquire("wake:async", TTL, ticket=ticket)).queue_position == 0
+        assert await listener.await_wake(WAKE_S, None) is True  # subscribed: try again
         assert listener.healthy
         assert (await pg.aacquire("wake:async", TTL, ticket=ticket)).queue_position == 0
         assert (await other.arelease(held.lock_id)).ok
@@ -322,10 +359,12 @@ async def test_an_async_waiter_is_woken_by_a_release(pg, other):
 
 
 def _forked_waiter(wake_ups: Any, key: str, ticket_id: str, reports: Any) -> None:
-    """In a forked child: listen on the inherited wake-ups, report, wait to be woken."""
+    """In a forked child: subscribe on the inherited wake-ups, report, wait for a wake."""
     try:
         listener = wake_ups.listen(key, ticket_id)
-        reports.put(("listening", listener.healthy, wake_ups.backend_pid))
+        wake_ups.queued(key)  # the parent queues the ticket for us
+        subscribed = listener.wait(WAKE_S, None)
+        reports.put(("listening", subscribed and listener.healthy, wake_ups.backend_pid))
         reports.put(("woken", listener.wait(WAKE_S, None)))
         wake_ups.close()
     except Exception as exc:
@@ -335,27 +374,25 @@ def _forked_waiter(wake_ups: Any, key: str, ticket_id: str, reports: Any) -> Non
 @on_postgres
 def test_a_forked_child_listens_on_its_own_connection_and_leaves_the_parent_s(pg, other):
     parent = pg.wake_ups
+    held = other.acquire("wake:fork", TTL)
+    ctx = multiprocessing.get_context("fork")
+    reports = ctx.Queue()
+    theirs = WaitTicket.new()
+    assert other.acquire("wake:fork", TTL, ticket=theirs).queue_position == 0
     mine = WaitTicket.new()
-    listener = parent.listen("wake:fork", mine.id)
+    listener = queue_and_subscribe(pg, "wake:fork", mine)  # second in line
     try:
-        assert listener.healthy
         parents_pid = parent.backend_pid
-        ctx = multiprocessing.get_context("fork")
-        reports = ctx.Queue()
-        ticket = WaitTicket.new()
-        child = ctx.Process(target=_forked_waiter, args=(parent, "wake:fork", ticket.id, reports))
+        child = ctx.Process(target=_forked_waiter, args=(parent, "wake:fork", theirs.id, reports))
         child.start()
         try:
             _, healthy, childs_pid = reply(reports)
             assert healthy is True
             assert childs_pid not in (None, parents_pid)
-            # The child's ticket first in line, then ours: each release wakes its own.
-            held = other.acquire("wake:fork", TTL)
-            assert other.acquire("wake:fork", TTL, ticket=ticket).queue_position == 0
-            assert pg.acquire("wake:fork", TTL, ticket=mine).queue_position == 1
+            # The child's ticket is first in line, then ours: each release wakes its own.
             assert other.release(held.lock_id).ok
             assert reply(reports) == ("woken", True)
-            got = other.acquire("wake:fork", TTL, ticket=ticket)
+            got = other.acquire("wake:fork", TTL, ticket=theirs)
             assert other.release(got.lock_id).ok
             assert listener.wait(WAKE_S, None) is True  # the parent's session is intact
             assert (parent.backend_pid, listener.healthy) == (parents_pid, True)
@@ -372,10 +409,9 @@ def test_a_forked_child_listens_on_its_own_connection_and_leaves_the_parent_s(pg
 def test_a_withdrawal_wakes_the_next_waiter(pg, other):
     held = other.acquire("wake:withdraw", TTL)
     first, second = WaitTicket.new(), WaitTicket.new()
-    listener = pg.wake_ups.listen("wake:withdraw", second.id)
+    assert other.acquire("wake:withdraw", TTL, ticket=first).queue_position == 0
+    listener = queue_and_subscribe(pg, "wake:withdraw", second)
     try:
-        assert other.acquire("wake:withdraw", TTL, ticket=first).queue_position == 0
-        assert pg.acquire("wake:withdraw", TTL, ticket=second).queue_position == 1
         assert other.release(held.lock_id).ok  # wakes ``first``, not us
         assert listener.wait(0, None) is False
         other.withdraw("wake:withdraw", first.id)
@@ -390,9 +426,11 @@ def test_a_channel_nobody_waits_on_is_unlistened_later(pg, monkeypatch):
     monkeypatch.setattr(wakeups_module, "IDLE_CHANNEL_S", 0.0)
     wake_ups = pg.wake_ups
     listener = wake_ups.listen("wake:unused", generate_lock_id())
+    wake_ups.queued("wake:unused")
+    assert listener.wait(WAKE_S, None) is True
     assert channel_name("wake:unused") in wake_ups.listening()
     listener.close()
-    wake_ups.listen("wake:other", generate_lock_id())  # a turn of the listener thread
+    wake_ups.queued("wake:other")  # a turn of the listener thread
     wait_until(
         lambda: channel_name("wake:unused") not in wake_ups.listening(),
         WAKE_S,
@@ -412,18 +450,18 @@ def test_a_listener_that_hears_nothing_is_reported_and_waiters_poll(
     backend = build("postgres", LISTEN_DATABASE=alias_to(NAME="postgres"))
     try:
         wake_ups = backend.wake_ups
-        listener = wake_ups.listen("wake:deaf", generate_lock_id())
-        again = wake_ups.listen("wake:deaf:2", generate_lock_id())
-        assert (listener.confirmed, listener.healthy, again.healthy) == (False, False, False)
+        held = other.acquire("wake:deaf", TTL)
+        thread, outcome = waiting_lock(backend, "wake:deaf")
+        assert outcome["queued"].wait(WAKE_S)
+        assert wake_ups.wait_connected(WAKE_S) is False  # the probe found it deaf
         assert wake_ups.reaches_other_processes is False
-        listener.close()
+        again = wake_ups.listen("wake:deaf:2", generate_lock_id())
+        wake_ups.queued("wake:deaf:2")
+        assert (again.confirmed, again.healthy) == (False, False)
         again.close()
         warnings = [r for r in caplog.records if r.name == LOGGER]
         assert [r.getMessage() for r in warnings] == [DEAF_WARNING % (backend.alias, 1.0)]
         # Waiters poll instead, and still get the lock.
-        held = other.acquire("wake:deaf", TTL)
-        thread, outcome = waiting_lock(backend, "wake:deaf")
-        assert outcome["queued"].wait(WAKE_S)
         other.release(held.lock_id)
         thread.join(WAKE_S * 3)
         assert outcome.get("error") is None and outcome["fence"] == "000000000000002"

@@ -36,7 +36,7 @@ from .operations import (
     WakeUpHooks,
 )
 from .target import Problem, check_errors, resolve, resolve_listen
-from .wakeups import PROBE_S
+from .wakeups import PROBE_S, DatabaseWakeUps
 
 T = TypeVar("T")
 
@@ -126,6 +126,13 @@ class DatabaseBackend(BatchedCleanup, BaseLockBackend):
     def _make_wake_ups(self) -> WakeUps:
         return self.ops.make_wake_ups(self.alias, self._wake_up_hooks())
 
+    def _queued(self, key: str) -> None:
+        """A waiter's ticket was just queued: its wake-ups must reach this process (on
+        PostgreSQL, LISTEN on the key's channel if that is not done yet)."""
+        wake_ups = self.wake_ups
+        if isinstance(wake_ups, DatabaseWakeUps):
+            wake_ups.queued(key)
+
     def _wake_up_hooks(self) -> WakeUpHooks:
         # A first subscription connects and probes: the connect timeout, a reply, the
         # probe's wait; later ones wait for one reply at most.
@@ -183,6 +190,8 @@ class DatabaseBackend(BatchedCleanup, BaseLockBackend):
         if status == FENCE_OVERFLOW:
             raise fence_overflow_error(key)
         if status == LOCKED:
+            if ticket is not None:
+                self._queued(key)
             return AcquireResult.locked(None if position is None else int(position))
         return AcquireResult(
             ok=True, lock_id=lock_id, expires_at_ms=int(expires), fence=format_fence(int(fence))

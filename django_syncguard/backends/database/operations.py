@@ -15,11 +15,14 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from typing import Any, ClassVar, NamedTuple, Protocol, TypeAlias, TypeVar, cast
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, Protocol, TypeAlias, TypeVar, cast
 
 from ...liveness import Clock, system_clock_ms
 from ...results import TimeAuthority
-from ...waiting import WaitTicket, WakeUps
+from ...waiting import WaitTicket
+
+if TYPE_CHECKING:
+    from .wakeups import DatabaseWakeUps
 
 T = TypeVar("T")
 
@@ -161,7 +164,7 @@ class DatabaseOperations(ABC):
         the key is free, wake the new first live waiter, as ``release`` does."""
 
     @abstractmethod
-    def make_wake_ups(self, name: str, hooks: WakeUpHooks) -> WakeUps:
+    def make_wake_ups(self, name: str, hooks: WakeUpHooks) -> DatabaseWakeUps:
         """This vendor's wake-ups for the backend ``name`` (see ``wakeups.py``)."""
 
     def deploy_check(self, alias: str, hooks: WakeUpHooks) -> list[Any]:

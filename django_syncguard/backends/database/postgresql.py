@@ -20,7 +20,7 @@ from ...constants import TIME_TOLERANCE_MS
 from ...errors import InvalidArgument, LockError
 from ...fencing import FENCE_MAX
 from ...results import TimeAuthority
-from ...waiting import WaitTicket, WakeUps
+from ...waiting import WaitTicket
 from .errors import map_database_error
 from .operations import (
     LOCK_COLUMNS,
@@ -34,7 +34,7 @@ from .operations import (
     fetch_value,
     row_count,
 )
-from .wakeups import PostgresWakeUps, delivers_notifications
+from .wakeups import DatabaseWakeUps, PostgresWakeUps, delivers_notifications
 
 # Server time in whole Unix milliseconds, read when the statement runs.
 NOW_MS = "floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint"
@@ -178,7 +178,7 @@ class PostgresOperations(DatabaseOperations):
         params = [keys.storage_key, ticket_id, TIME_TOLERANCE_MS]
         self.run(lambda c: fetch_value(c, WITHDRAW, params))  # NOTIFYs the next waiter
 
-    def make_wake_ups(self, name: str, hooks: WakeUpHooks) -> WakeUps:
+    def make_wake_ups(self, name: str, hooks: WakeUpHooks) -> DatabaseWakeUps:
         return PostgresWakeUps(
             name,
             connect=hooks.listen,

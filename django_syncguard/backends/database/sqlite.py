@@ -35,7 +35,7 @@ from ...errors import NetworkTimeout, ServiceUnavailable
 from ...fencing import FENCE_MAX, format_fence
 from ...liveness import Clock, is_live, system_clock_ms
 from ...results import TimeAuthority
-from ...waiting import Queue, WaitTicket, WakeUps, queue_admits, queue_head
+from ...waiting import Queue, WaitTicket, queue_admits, queue_head
 from .operations import (
     ACQUIRED,
     FENCE_OVERFLOW,
@@ -51,7 +51,7 @@ from .operations import (
     fetch_value,
     row_count,
 )
-from .wakeups import LocalWakeUps
+from .wakeups import DatabaseWakeUps, LocalWakeUps
 
 T = TypeVar("T")
 
@@ -394,7 +394,7 @@ class SqliteOperations(DatabaseOperations):
         if head is not None:
             wake_ups.deliver(key, head)
 
-    def make_wake_ups(self, name: str, hooks: WakeUpHooks) -> WakeUps:
+    def make_wake_ups(self, name: str, hooks: WakeUpHooks) -> DatabaseWakeUps:
         # One registry per database file in this process: a release through any backend
         # on the file wakes the waiters of every other.
         path = queue_file(self._name())

@@ -6,12 +6,20 @@ On PostgreSQL, ``syncguard_release`` and ``syncguard_withdraw`` (migration 0005)
 delivers it when the release commits. :class:`PostgresWakeUps` holds ONE dedicated
 connection per backend and process (autocommit, from the same ``DATABASES`` settings as
 the backend's own connections, or those of ``OPTIONS["LISTEN_DATABASE"]``), and a
-daemon thread that owns it: it ``LISTEN``\\ s on a key's channel when the first local
-waiter of the key arrives (the waiter goes on once the server confirmed), waits for
-notifications, hands each ticket id to :meth:`~django_syncguard.waiting.WakeUps.deliver`,
-keeps channels nobody waits on for a while (:data:`IDLE_CHANNEL_S`, at most
-:data:`IDLE_CHANNEL_CAP`) before ``UNLISTEN``, and after a lost connection reconnects with
-a bounded backoff and listens again on every channel that still has waiters.
+daemon thread that owns it: it waits for notifications and hands each ticket id to
+:meth:`~django_syncguard.waiting.WakeUps.deliver`, keeps channels nobody waits on for a
+while (:data:`IDLE_CHANNEL_S`, at most :data:`IDLE_CHANNEL_CAP`) before ``UNLISTEN``,
+and after a lost connection reconnects with a bounded backoff and listens again on
+every channel that still has waiters.
+
+A key's channel is LISTENed when a waiter of this process first finds the key held
+(:meth:`PostgresWakeUps.queued`, called by the backend's acquire), not when it
+registers: most lock calls find the key free and must not pay a round trip (and a
+thread hand-off) for a channel they never use. Until the server has confirmed the
+LISTEN, the waiter's listener is not healthy, so it polls; on confirmation it counts as
+subscribed and is woken once, so it tries again right away: a release before the
+LISTEN is seen by that attempt, one after it is heard. A waiter that registers when
+the channel is already LISTENed is subscribed at once.
 
 A transaction pooler (pgbouncer in transaction mode) accepts ``LISTEN`` and never
 delivers a notification. So the first connection sends itself a probe: ``pg_notify``
@@ -96,7 +104,15 @@ def _statements(verb: str, channels: Iterable[str]) -> str:
     return "; ".join(f"{verb} {_quoted(channel)}" for channel in sorted(channels))
 
 
-class LocalWakeUps(WakeUps):
+class DatabaseWakeUps(WakeUps):
+    """What the database backend's wake-ups add to :class:`WakeUps`."""
+
+    def queued(self, key: str) -> None:
+        """A waiter of this process has just found ``key`` held (its ticket is
+        queued): make sure its wake-ups will reach us."""
+
+
+class LocalWakeUps(DatabaseWakeUps):
     """Wake-ups within this process only (SQLite): a release by another process never
     reaches these waiters, so they poll."""
 
@@ -112,7 +128,7 @@ class _Deaf(Exception):
     """The listening connection does not receive notifications."""
 
 
-class PostgresWakeUps(WakeUps):
+class PostgresWakeUps(DatabaseWakeUps):
     """LISTEN/NOTIFY wake-ups of one database backend in this process; see the module
     docstring.
 
@@ -160,32 +176,32 @@ class PostgresWakeUps(WakeUps):
         return self._status == "connected"
 
     def _subscribe(self, key: str) -> bool:
+        # No round trip here: True when the channel is LISTENed already; otherwise the
+        # first contended attempt asks for it (queued) and the thread confirms the
+        # key's listeners once the server has (see the module docstring).
         channel = channel_name(self._storage_key(key))
-        deadline = time.monotonic() + self._reply_timeout_s
+        with self._cond:
+            if self._status != "connected" or channel not in self._listening:
+                return False
+            self._unused.pop(channel, None)
+            return True
+
+    def _subscribed(self, key: str) -> bool:
+        return self._subscribe(key)
+
+    def queued(self, key: str) -> None:
+        channel = channel_name(self._storage_key(key))
         with self._cond:
             if self._status in ("deaf", "closed"):
-                return False
-            self._keys[channel] = key
+                return
             self._unused.pop(channel, None)
-            if self._status == "connected" and channel in self._listening:
-                return True
+            if channel in self._listening or channel in self._wanted:
+                return
+            self._keys[channel] = key
             self._wanted.add(channel)
             if self._status == "idle":
                 self._start()
             self._kick()
-            # A first subscription waits for the connection (and its probe); once the
-            # listener is down, waiters poll until it is back.
-            while not (self._status == "connected" and channel in self._listening):
-                left = deadline - time.monotonic()
-                if self._status in ("down", "deaf", "closed") or left <= 0:
-                    return False
-                self._cond.wait(left)
-            return True
-
-    def _subscribed(self, key: str) -> bool:
-        # The first waiter's subscription may still be on its way: wait for it as the
-        # first waiter does (or ask again, if the connection was lost meanwhile).
-        return self._subscribe(key)
 
     def _unsubscribe(self, key: str) -> None:
         # Lazily: the thread UNLISTENs the channel once it has been unused for a while.
@@ -193,6 +209,19 @@ class PostgresWakeUps(WakeUps):
         with self._cond:
             if channel in self._listening or channel in self._wanted:
                 self._unused[channel] = time.monotonic()
+
+    def _confirm(self, channels: Iterable[str]) -> None:
+        """The server confirmed LISTEN on ``channels``: the waiters of their keys that
+        registered before are subscribed now, and woken once to try again (a release
+        may have come before the LISTEN)."""
+        with self._cond:
+            keys = [self._keys[channel] for channel in channels if channel in self._keys]
+        with self._mutex:
+            waiting = [lst for key in keys for lst in self._listeners.get(key, {}).values()]
+        for listener in waiting:
+            if not listener.confirmed:
+                listener.confirmed = True
+                listener.wake()
 
     def close(self) -> None:
         """Stop the thread; it closes its connection."""
@@ -343,6 +372,7 @@ class PostgresWakeUps(WakeUps):
             self._listening = set(channels)
             self._wanted -= channels
             self._cond.notify_all()
+        self._confirm(channels)
         while True:
             self._turn(raw)
             try:
@@ -373,6 +403,7 @@ class PostgresWakeUps(WakeUps):
         with self._cond:
             self._listening |= listen
             self._cond.notify_all()
+        self._confirm(listen)
         self._receive(raw)  # notifications read while the statement's reply came
 
     def _expired_unused(self) -> set[str]:
