@@ -24,13 +24,15 @@
                     lease left at a renewal (two thirds of ``ttl_ms``) cannot.
 ``syncguard.W010``  (deploy) A Redis server runs without AOF: fences can go backwards.
 ``syncguard.W011``  (deploy) A backend's server could not be asked about its setup.
+``syncguard.W012``  (deploy) PostgreSQL: a LISTENing connection does not hear the
+                    backend's notifications (a transaction pooler): waiters poll.
 ``syncguard.I020``  (deploy) Firestore: keep the lockId index; an optional TTL policy.
 ==================  ===========================================================
 
 This module holds the messages about settings as a whole and about ``@locked``
-functions; each backend holds its own (E004, E005 and W002 in the database backend,
-W001 in the memory backend, W010 and W011 in the Redis backend, I020 in the Firestore
-backend) and this module asks it: first the class, ``check_settings(alias, params)``,
+functions; each backend holds its own (E004, E005, W002, W011 and W012 in the database
+backend, W001 in the memory backend, W010 and W011 in the Redis backend, I020 in the
+Firestore backend) and this module asks it: first the class, ``check_settings(alias, params)``,
 for problems that prevent building it; then the built backend, ``backend.check()``
 (and ``backend.deploy_check()`` with ``--deploy``).
 

@@ -21,6 +21,9 @@ class Lock(models.Model):
     fence = models.CharField(max_length=15)
     #: The user key when it differs from ``key`` (hashed storage key); else NULL.
     user_key = models.TextField(null=True, blank=True)  # noqa: DJ001 - NULL means "same as key"
+    #: A waiter may be queued for this key (PostgreSQL): only then does a release look
+    #: for one to wake. Never False while one is (it may stay True after they left).
+    waiters = models.BooleanField(db_default=False)
 
     class Meta:
         db_table = "syncguard_locks"
@@ -48,6 +51,10 @@ class FenceCounter(models.Model):
 
     fence_key = models.TextField(primary_key=True)
     fence = models.BigIntegerField(default=0)
+    #: The key's wait queue may have tickets (PostgreSQL): only then does an acquire
+    #: of the free key read the queue. Never False while it has (it may stay True
+    #: after they left, until the key is next taken).
+    waiters = models.BooleanField(db_default=False)
 
     class Meta:
         db_table = "syncguard_fence_counters"
@@ -56,3 +63,30 @@ class FenceCounter(models.Model):
 
     def __str__(self) -> str:
         return f"fence counter at {self.fence}"
+
+
+class Waiter(models.Model):
+    """One waiter's place in a key's queue (fair, notified waiting; see
+    ``django_syncguard.waiting``). A row lives while its waiter keeps checking in:
+    the acquire that takes the key, a withdrawal, or a later acquire that finds it
+    past ``live_until_ms`` removes it."""
+
+    pk = models.CompositePrimaryKey("key", "ticket_id")
+    #: The storage key of the lock the ticket waits for (``Lock.key``).
+    key = models.TextField()
+    ticket_id = models.CharField(max_length=22)
+    #: Arrival order within the key (a sequence on PostgreSQL, max + 1 on SQLite).
+    arrival = models.BigIntegerField()
+    #: The ticket stops holding the queue up after this instant (the time authority's
+    #: ms), unless its waiter checks in again.
+    live_until_ms = models.BigIntegerField()
+
+    class Meta:
+        db_table = "syncguard_waiters"
+        verbose_name = "waiter"
+        verbose_name_plural = "waiters"
+        # Not in the admin: queue rows are short-lived and only the backend reads them.
+        default_permissions = ()
+
+    def __str__(self) -> str:
+        return f"waiter {self.arrival} for a lock"

@@ -10,7 +10,9 @@ start fails the tests that need it; elsewhere they are skipped with the reason.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TypeVar
@@ -122,6 +124,18 @@ def _postgres_for_the_alias(request: pytest.FixtureRequest) -> None:
     """A test on the ``postgres`` alias needs the session's PostgreSQL."""
     if uses_postgres(request.node):
         request.getfixturevalue("postgres_server")
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Remove the SQLite test database's wait-queue file (the database backend keeps
+    its queue beside the database; the test database itself is removed by Django)."""
+    from django_syncguard.backends.database.sqlite import queue_file
+
+    name = settings.DATABASES["default"].get("TEST", {}).get("NAME")
+    if name:
+        for suffix in ("", "-wal", "-shm"):
+            with contextlib.suppress(OSError):
+                os.remove(queue_file(str(name)) + suffix)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

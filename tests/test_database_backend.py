@@ -99,7 +99,7 @@ def test_migration_leaves_only_the_needed_indexes(pg):
     with pg.backend.connection().cursor() as cursor:
         cursor.execute(
             "SELECT tablename, indexname FROM pg_indexes WHERE tablename IN "
-            "('syncguard_locks', 'syncguard_fence_counters') ORDER BY 1, 2"
+            "('syncguard_locks', 'syncguard_fence_counters', 'syncguard_waiters') ORDER BY 1, 2"
         )
         rows = cursor.fetchall()
     assert [table for table, _ in rows] == [
@@ -107,6 +107,7 @@ def test_migration_leaves_only_the_needed_indexes(pg):
         "syncguard_locks",
         "syncguard_locks",
         "syncguard_locks",
+        "syncguard_waiters",  # its primary key (key, ticket_id) only
     ]
     names = [name for _, name in rows]
     assert "syncguard_locks_expires_idx" in names

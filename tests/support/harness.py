@@ -12,6 +12,7 @@ from typing import ClassVar
 
 from django_syncguard.backends.base import BaseLockBackend
 from django_syncguard.backends.database import DatabaseBackend
+from django_syncguard.backends.database.sqlite import QUEUE
 from django_syncguard.backends.firestore import FirestoreBackend
 from django_syncguard.backends.memory import MemoryBackend
 from django_syncguard.backends.redis import RedisBackend
@@ -97,6 +98,8 @@ class DatabaseHarness(Harness):
             "acquired_at_ms = acquired_at_ms - %s",
             [ms, ms],
         )
+        # Wait tickets too: a waiter that stopped checking in loses its place.
+        self.execute("UPDATE syncguard_waiters SET live_until_ms = live_until_ms - %s", [ms])
 
     def set_fence(self, key: str, value: int) -> None:
         assert isinstance(self.backend, DatabaseBackend)
@@ -217,6 +220,17 @@ class SqliteHarness(DatabaseHarness):
     name = "sqlite"
     capabilities = Capabilities("sqlite", supports_fencing=True, time_authority="client")
     database = "default"
+
+    def advance(self, ms: int) -> None:
+        super().advance(ms)
+        if self.backend.wake_ups_enabled:  # the queue is in its own file (sqlite.py)
+            self.execute(f"UPDATE {QUEUE} SET live_until_ms = live_until_ms - %s", [ms])
+
+    def close(self) -> None:
+        # The test databases' flush empties the database file, not the queue file.
+        if self.backend.wake_ups_enabled:
+            self.execute(f"DELETE FROM {QUEUE}", [])
+        super().close()
 
 
 class PostgresHarness(DatabaseHarness):

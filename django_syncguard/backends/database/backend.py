@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any, ClassVar, TypeVar
@@ -23,11 +24,19 @@ from ...results import (
     ReleaseResult,
     TimeAuthority,
 )
-from ...waiting import WaitTicket
+from ...waiting import WaitTicket, WakeUps
 from ..base import BaseLockBackend, BatchedCleanup
-from .connections import PrivateConnections
-from .operations import FENCE_OVERFLOW, LOCKED, DatabaseOperations, Row, StorageKeys
-from .target import Problem, check_errors, resolve
+from .connections import REPLY_MARGIN_S, PrivateConnections, close_quietly
+from .operations import (
+    FENCE_OVERFLOW,
+    LOCKED,
+    DatabaseOperations,
+    Row,
+    StorageKeys,
+    WakeUpHooks,
+)
+from .target import Problem, check_errors, resolve, resolve_listen
+from .wakeups import PROBE_S, DatabaseWakeUps
 
 T = TypeVar("T")
 
@@ -42,7 +51,10 @@ class DatabaseBackend(BatchedCleanup, BaseLockBackend):
     once here from the vendor of the ``DATABASES`` alias.
     """
 
-    known_options: ClassVar[frozenset[str]] = BaseLockBackend.known_options | {"DATABASE"}
+    known_options: ClassVar[frozenset[str]] = BaseLockBackend.known_options | {
+        "DATABASE",
+        "LISTEN_DATABASE",
+    }
     ops: DatabaseOperations
 
     def __init__(self, alias: str = "default", params: Mapping[str, Any] | None = None) -> None:
@@ -51,13 +63,21 @@ class DatabaseBackend(BatchedCleanup, BaseLockBackend):
         if isinstance(target, Problem):
             raise InvalidArgument(target.message)
         self.database = target.database
+        listen = resolve_listen(self.options, target)
+        if isinstance(listen, Problem):
+            raise InvalidArgument(listen.message)
+        #: The ``DATABASES`` alias the wake-ups LISTEN through (PostgreSQL).
+        self.listen_database = listen
         self.connections = PrivateConnections(
             self.database,
             target.operations,
             connect_timeout_ms=self.connect_timeout_ms,
             operation_timeout_ms=self.operation_timeout_ms,
         )
-        self.ops = target.operations(self.connections.run, database=self.database)
+        self.ops = target.operations(
+            self.connections.run, database=self.database, queues=self.wake_ups_enabled
+        )
+        self.connections.prepare = self.ops.prepare_connection
 
     @classmethod
     def check_settings(cls, alias: str, params: Mapping[str, Any]) -> list[CheckMessage]:
@@ -69,6 +89,14 @@ class DatabaseBackend(BatchedCleanup, BaseLockBackend):
     def check(self, **kwargs: Any) -> list[CheckMessage]:
         """What the vendor finds in the ``DATABASES`` alias's settings (no I/O)."""
         return self.ops.check(self.alias)
+
+    def deploy_check(self) -> list[CheckMessage]:
+        """What the vendor finds on the server: on PostgreSQL, whether a LISTENing
+        connection hears notifications (``syncguard.W012`` when a transaction pooler
+        swallows them). Nothing to ask with ``WAKE_UPS`` off."""
+        if not self.wake_ups_enabled:
+            return []
+        return self.ops.deploy_check(self.alias, self._wake_up_hooks())
 
     # The vendor's facts, read from its operations object.
     @property
@@ -93,6 +121,43 @@ class DatabaseBackend(BatchedCleanup, BaseLockBackend):
         """Close every private connection this backend opened, in any thread."""
         super().close()
         self.connections.close()
+
+    # ------------------------------------------------------------- wake-ups
+    def _make_wake_ups(self) -> WakeUps:
+        return self.ops.make_wake_ups(self.alias, self._wake_up_hooks())
+
+    def _queued(self, key: str) -> None:
+        """A waiter's ticket was just queued: its wake-ups must reach this process (on
+        PostgreSQL, LISTEN on the key's channel if that is not done yet)."""
+        wake_ups = self.wake_ups
+        if isinstance(wake_ups, DatabaseWakeUps):
+            wake_ups.queued(key)
+
+    def _wake_up_hooks(self) -> WakeUpHooks:
+        # A first subscription connects and probes: the connect timeout, a reply, the
+        # probe's wait; later ones wait for one reply at most.
+        reply_timeout_s = (
+            (self.connect_timeout_ms + 2 * self.operation_timeout_ms) / 1000
+            + PROBE_S
+            + REPLY_MARGIN_S
+        )
+        return WakeUpHooks(
+            listen=self._listen_connection,
+            run_once=self.connections.run_once,
+            storage_key=self.storage_key,
+            reply_timeout_s=reply_timeout_s,
+        )
+
+    def _listen_connection(self) -> BaseDatabaseWrapper:
+        # Named for operators: which process and alias holds this LISTEN session.
+        name = f"syncguard listen {os.getpid()} {self.alias}"[:63]
+        wrapper = self.connections.dedicated(self.listen_database, name)
+        try:
+            wrapper.ensure_connection()
+        except Exception:
+            close_quietly(wrapper)
+            raise
+        return wrapper
 
     # ----------------------------------------------------------------- helpers
     def _storable(self, key: str) -> str:
@@ -119,13 +184,15 @@ class DatabaseBackend(BatchedCleanup, BaseLockBackend):
     ) -> AcquireResult:
         lock_id = generate_lock_id()
         check_cancelled = partial(check_cancel, cancel, {"key": key})
-        status, fence, expires = self.ops.acquire(
-            self.storage_keys(key), lock_id, ttl_ms, check_cancelled
+        status, fence, expires, position = self.ops.acquire(
+            self.storage_keys(key), lock_id, ttl_ms, check_cancelled, ticket
         )
         if status == FENCE_OVERFLOW:
             raise fence_overflow_error(key)
         if status == LOCKED:
-            return AcquireResult.locked()
+            if ticket is not None:
+                self._queued(key)
+            return AcquireResult.locked(None if position is None else int(position))
         return AcquireResult(
             ok=True, lock_id=lock_id, expires_at_ms=int(expires), fence=format_fence(int(fence))
         )
@@ -135,6 +202,9 @@ class DatabaseBackend(BatchedCleanup, BaseLockBackend):
         if deleted:
             return ReleaseResult(ok=True)
         return ReleaseResult(ok=False, reason="expired" if existed else "not-found")
+
+    def _withdraw(self, key: str, ticket_id: str) -> None:
+        self.ops.withdraw(self.storage_keys(key), key, ticket_id)
 
     def _extend(self, lock_id: str, ttl_ms: int, cancel: CancelToken | None) -> ExtendResult:
         expires, existed = self.ops.extend(lock_id, ttl_ms)

@@ -70,6 +70,9 @@ class PrivateConnections:
         self.connect_timeout_ms = connect_timeout_ms
         self.operation_timeout_ms = operation_timeout_ms
         self._local = _PerThread()
+        #: Run on each new driver connection of a per-thread wrapper (the vendor's
+        #: ``prepare_connection``; set by the backend once its operations exist).
+        self.prepare: Callable[[Any], None] | None = None
         # Open private connections, weakly: a thread's connection is closed when the
         # thread object goes away (see connection()), and must not be kept alive here.
         self._open: weakref.WeakSet[BaseDatabaseWrapper] = weakref.WeakSet()
@@ -82,12 +85,39 @@ class PrivateConnections:
             wrapper = type(source)(self._private_settings(source.settings_dict), self.database)
             if self.operations.over_network:
                 bound_replies(wrapper, self.operation_timeout_ms / 1000 + REPLY_MARGIN_S)
+            if self.prepare is not None:
+                after_connect(wrapper, self.prepare)
             self._local.connection = wrapper
             self._open.add(wrapper)
             # Thread-per-request servers start and end threads all the time: close a
             # thread's connection once its thread is gone, rather than leak it.
             weakref.finalize(threading.current_thread(), close_quietly, wrapper)
         return wrapper
+
+    def dedicated(self, database: str, application_name: str) -> BaseDatabaseWrapper:
+        """A new connection of our own to the ``DATABASES`` alias ``database``, with
+        the same settings as the per-thread ones, opened and closed by the caller (the
+        PostgreSQL listener's), named ``application_name`` in ``pg_stat_activity``.
+        Never from a pool: it keeps its session for itself. Its alias is not the
+        alias's own (``"<alias>:syncguard-listen"``): it is not that alias's connection,
+        and what watches the alias's connections (``connection_created`` receivers,
+        test cases that allow some aliases only) has no business with it."""
+        source = connections[database]
+        private = self._private_settings(source.settings_dict)
+        private["OPTIONS"].pop("pool", None)
+        private["OPTIONS"]["application_name"] = application_name
+        wrapper = type(source)(private, f"{database}:syncguard-listen")
+        if self.operations.over_network:
+            bound_replies(wrapper, self.operation_timeout_ms / 1000 + REPLY_MARGIN_S)
+        return wrapper
+
+    def run_once(self, work: Callable[[Any], T]) -> T:
+        """:meth:`run`, then close this thread's connection (a thread that needs one
+        only now and then, such as the listener's)."""
+        try:
+            return self.run(work)
+        finally:
+            close_quietly(self.connection())
 
     def _private_settings(self, settings_dict: Mapping[str, Any]) -> dict[str, Any]:
         """The alias's settings with our timeouts; autocommit, no request atomicity."""
@@ -165,6 +195,23 @@ class PrivateConnections:
             and not wrapper.queries_logged
             and not wrapper.execute_wrappers
         )
+
+
+def after_connect(wrapper: BaseDatabaseWrapper, prepare: Callable[[Any], None]) -> None:
+    """Run ``prepare(driver connection)`` on each connection ``wrapper`` opens."""
+    new_connection = wrapper.get_new_connection
+
+    def get_new_connection(conn_params: Any) -> Any:
+        raw = new_connection(conn_params)
+        try:
+            prepare(raw)
+        except BaseException:
+            with suppress(Exception):
+                raw.close()
+            raise
+        return raw
+
+    wrapper.get_new_connection = get_new_connection  # type: ignore[method-assign]
 
 
 def bound_replies(wrapper: BaseDatabaseWrapper, timeout_s: float) -> None:

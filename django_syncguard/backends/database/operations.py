@@ -15,10 +15,14 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from typing import Any, ClassVar, NamedTuple, Protocol, TypeAlias, TypeVar, cast
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, Protocol, TypeAlias, TypeVar, cast
 
 from ...liveness import Clock, system_clock_ms
 from ...results import TimeAuthority
+from ...waiting import WaitTicket
+
+if TYPE_CHECKING:
+    from .wakeups import DatabaseWakeUps
 
 T = TypeVar("T")
 
@@ -29,9 +33,11 @@ Row: TypeAlias = Sequence[Any]
 #: path both report it.
 LOCKED, ACQUIRED, FENCE_OVERFLOW = 0, 1, 2
 
-#: ``(status, fence, expires_at_ms)`` of an acquire; the fence (an int) and the expiry
-#: are the new lock's when the status is ACQUIRED, else None.
-AcquireReply: TypeAlias = tuple[int, Any, Any]
+#: ``(status, fence, expires_at_ms, queue_position)`` of an acquire; the fence (an int)
+#: and the expiry are the new lock's when the status is ACQUIRED, else None; the
+#: position is the caller's ticket's place among the key's live waiters (0 = next)
+#: when the status is LOCKED and a ticket was queued, else None.
+AcquireReply: TypeAlias = tuple[int, Any, Any, Any]
 
 LOCK_COLUMNS = "key, lock_id, expires_at_ms, acquired_at_ms, fence, user_key"
 
@@ -52,6 +58,21 @@ class Runner(Protocol):
     """Runs ``work(cursor)`` on the calling thread's private connection."""
 
     def __call__(self, work: Callable[[Any], T], /) -> T: ...
+
+
+class WakeUpHooks(NamedTuple):
+    """What a vendor's wake-ups need from the backend."""
+
+    #: A new, open connection of its own to listen on (PostgreSQL).
+    listen: Callable[[], Any]
+    #: Run ``work(cursor)`` on the calling thread's private connection, then close it
+    #: (the listener's probe sends its ``pg_notify`` from the listener's thread, which
+    #: needs no connection of that kind afterwards; PostgreSQL).
+    run_once: Callable[[Callable[[Any], Any]], Any]
+    #: The storage key of a key.
+    storage_key: Callable[[str], str]
+    #: How long a waiter waits for its subscription to be confirmed.
+    reply_timeout_s: float
 
 
 class StorageKeys(NamedTuple):
@@ -82,12 +103,20 @@ class DatabaseOperations(ABC):
     #: queries (parameters bound by the server: no quoting in Python).
     direct_cursor: ClassVar[bool] = False
 
-    def __init__(self, run: Runner, clock: Clock = system_clock_ms, *, database: str) -> None:
+    def __init__(
+        self, run: Runner, clock: Clock = system_clock_ms, *, database: str, queues: bool = True
+    ) -> None:
         self.run = run
         #: This machine's clock, for a vendor whose time authority is the client.
         self.clock = clock
         #: The ``DATABASES`` alias the locks live in.
         self.database = database
+        #: Whether the backend keeps wait queues (``OPTIONS["WAKE_UPS"]``).
+        self.queues = queues
+
+    def prepare_connection(self, raw: Any) -> None:
+        """Set up a new private driver connection, before Django's own set-up."""
+        return  # nothing by default
 
     @classmethod
     @abstractmethod
@@ -111,15 +140,36 @@ class DatabaseOperations(ABC):
 
     @abstractmethod
     def acquire(
-        self, keys: StorageKeys, lock_id: str, ttl_ms: int, check_cancel: Callable[[], None]
+        self,
+        keys: StorageKeys,
+        lock_id: str,
+        ttl_ms: int,
+        check_cancel: Callable[[], None],
+        ticket: WaitTicket | None = None,
     ) -> AcquireReply:
-        """Take the lock if no live one holds it (see ``AcquireReply``). ``check_cancel``
-        raises ``Aborted`` when the caller cancelled; a vendor calls it where it can
-        still back out without writing."""
+        """Take the lock if no live one holds it and no live waiter is ahead of
+        ``ticket`` (see ``AcquireReply`` and :mod:`django_syncguard.waiting`); queue the
+        ticket otherwise. ``check_cancel`` raises ``Aborted`` when the caller cancelled;
+        a vendor calls it where it can still back out without writing."""
 
     @abstractmethod
     def release(self, lock_id: str) -> tuple[bool, bool]:
-        """Delete the live lock ``lock_id``: ``(deleted, a record of it exists)``."""
+        """Delete the live lock ``lock_id``: ``(deleted, a record of it exists)``; once
+        deleted, wake the key's first live waiter (``NOTIFY`` on PostgreSQL, this
+        process's wake-ups on SQLite)."""
+
+    @abstractmethod
+    def withdraw(self, keys: StorageKeys, key: str, ticket_id: str) -> None:
+        """Take ``ticket_id`` out of the queue of ``key`` (stored under ``keys``); when
+        the key is free, wake the new first live waiter, as ``release`` does."""
+
+    @abstractmethod
+    def make_wake_ups(self, name: str, hooks: WakeUpHooks) -> DatabaseWakeUps:
+        """This vendor's wake-ups for the backend ``name`` (see ``wakeups.py``)."""
+
+    def deploy_check(self, alias: str, hooks: WakeUpHooks) -> list[Any]:
+        """Check messages that need the server (``manage.py check --deploy``)."""
+        return []
 
     @abstractmethod
     def extend(self, lock_id: str, ttl_ms: int) -> tuple[int | None, bool]:

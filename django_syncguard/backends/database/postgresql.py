@@ -1,43 +1,67 @@
 """PostgreSQL: server time, one statement (one round trip) per operation.
 
-Acquire, release and extend call the PL/pgSQL functions of migration 0002; the other
-operations are single statements that read the server's clock when they run.
-``specs/backends/database.md`` (Operations on PostgreSQL) gives the steps of each and
-why they are atomic.
+Acquire, release, withdraw and extend call the PL/pgSQL functions of migrations 0002
+and 0005; the other operations are single statements that read the server's clock
+when they run. Release and withdraw wake the key's first waiter with ``NOTIFY``, which
+``wakeups.PostgresWakeUps`` hears. ``specs/backends/database.md`` (Operations on
+PostgreSQL, Queues and wake-ups) gives the steps of each and why they are atomic.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from functools import partial
 from typing import Any, ClassVar
 
+from django.core import checks
+
 from ...constants import TIME_TOLERANCE_MS
-from ...errors import InvalidArgument
+from ...errors import InvalidArgument, LockError
 from ...fencing import FENCE_MAX
 from ...results import TimeAuthority
+from ...waiting import WaitTicket
+from .errors import map_database_error
 from .operations import (
     LOCK_COLUMNS,
     AcquireReply,
     DatabaseOperations,
     Row,
     StorageKeys,
+    WakeUpHooks,
     fetch_one,
     fetch_row,
     fetch_value,
     row_count,
 )
+from .wakeups import DatabaseWakeUps, PostgresWakeUps, delivers_notifications
 
 # Server time in whole Unix milliseconds, read when the statement runs.
 NOW_MS = "floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint"
 
 NOW = f"SELECT {NOW_MS}"
 
-# Functions installed by migration 0002. Acquire's status is LOCKED, ACQUIRED or
-# FENCE_OVERFLOW; release's and extend's: 1 = done, 2 = expired, 0 = not found.
-ACQUIRE = "SELECT * FROM syncguard_acquire(%s, %s, %s, %s, %s, %s, %s)"
+# Functions installed by migrations 0002 and 0005. Acquire's status is LOCKED, ACQUIRED
+# or FENCE_OVERFLOW (with the ticket's queue position); release's and extend's: 1 =
+# done, 2 = expired, 0 = not found.
+ACQUIRE = "SELECT * FROM syncguard_acquire(%s, %s, %s, %s, %s, %s, %s, %s, %s)"
 RELEASE = "SELECT syncguard_release(%s, %s)"
 EXTEND = "SELECT * FROM syncguard_extend(%s, %s, %s)"
+WITHDRAW = "SELECT syncguard_withdraw(%s, %s, %s)"
+NOTIFY = "SELECT pg_notify(%s, %s)"
+
+# Deploy-check messages of this vendor (see checks.py for the table of ids).
+W011 = "Lock backend {alias!r}: could not check the server's setup: {error}"
+W012 = (
+    "Lock backend {alias!r}: a connection that LISTENs on the lock database did not "
+    "receive a notification sent through the backend's connections: a transaction "
+    "pooler (pgbouncer in transaction mode) is probably in the way. Waiters poll instead "
+    "of being woken by releases (fair queues still work)."
+)
+W012_HINT = (
+    "Point OPTIONS['LISTEN_DATABASE'] at a DATABASES alias that reaches the same "
+    "database directly or through session pooling, or set OPTIONS['WAKE_UPS'] = False."
+)
 
 IS_LOCKED = f"""
 SELECT EXISTS (
@@ -122,7 +146,12 @@ class PostgresOperations(DatabaseOperations):
         return int(self.run(lambda c: fetch_value(c, NOW, [])))
 
     def acquire(
-        self, keys: StorageKeys, lock_id: str, ttl_ms: int, check_cancel: Callable[[], None]
+        self,
+        keys: StorageKeys,
+        lock_id: str,
+        ttl_ms: int,
+        check_cancel: Callable[[], None],
+        ticket: WaitTicket | None = None,
     ) -> AcquireReply:
         params = [
             keys.storage_key,
@@ -132,16 +161,45 @@ class PostgresOperations(DatabaseOperations):
             keys.user_key,
             FENCE_MAX,
             TIME_TOLERANCE_MS,
+            None if ticket is None else ticket.id,
+            None if ticket is None else ticket.patience_ms,
         ]
         # One statement: ``cancel`` was checked before dispatch. Checking it after
         # the commit would raise while holding a lock the caller never learns of.
-        status, fence, expires = self.run(lambda c: fetch_one(c, ACQUIRE, params))
-        return status, fence, expires
+        status, fence, expires, position = self.run(lambda c: fetch_one(c, ACQUIRE, params))
+        return status, fence, expires, position
 
     def release(self, lock_id: str) -> tuple[bool, bool]:
         params = [lock_id, TIME_TOLERANCE_MS]
         status = self.run(lambda c: fetch_value(c, RELEASE, params))
-        return status == 1, status == 2
+        return status == 1, status == 2  # the function NOTIFYs the next waiter
+
+    def withdraw(self, keys: StorageKeys, key: str, ticket_id: str) -> None:
+        params = [keys.storage_key, ticket_id, TIME_TOLERANCE_MS]
+        self.run(lambda c: fetch_value(c, WITHDRAW, params))  # NOTIFYs the next waiter
+
+    def make_wake_ups(self, name: str, hooks: WakeUpHooks) -> DatabaseWakeUps:
+        return PostgresWakeUps(
+            name,
+            connect=hooks.listen,
+            probe=partial(_probe, hooks),
+            storage_key=hooks.storage_key,
+            reply_timeout_s=hooks.reply_timeout_s,
+        )
+
+    def deploy_check(self, alias: str, hooks: WakeUpHooks) -> list[Any]:
+        """``syncguard.W012`` when a connection that LISTENs does not receive a
+        notification sent through the backend's connections (a transaction pooler on
+        the way); ``syncguard.W011`` when the server cannot be asked."""
+        try:
+            if delivers_notifications(hooks.listen, partial(_probe, hooks)):
+                return []
+        except LockError as exc:
+            return [checks.Warning(W011.format(alias=alias, error=exc), id="syncguard.W011")]
+        except Exception as exc:  # a driver error while opening the listening connection
+            error = map_database_error(exc, self.database)
+            return [checks.Warning(W011.format(alias=alias, error=error), id="syncguard.W011")]
+        return [checks.Warning(W012.format(alias=alias), hint=W012_HINT, id="syncguard.W012")]
 
     def extend(self, lock_id: str, ttl_ms: int) -> tuple[int | None, bool]:
         params = [lock_id, ttl_ms, TIME_TOLERANCE_MS]
@@ -163,3 +221,9 @@ class PostgresOperations(DatabaseOperations):
     def delete_expired_batch(self, batch_size: int, guard_ms: int) -> int:
         params = [guard_ms, batch_size]
         return self.run(lambda c: row_count(c, DELETE_EXPIRED, params))
+
+
+def _probe(hooks: WakeUpHooks, channel: str, payload: str) -> None:
+    """``pg_notify(channel, payload)`` through a normal connection of the backend, which
+    is closed afterwards (see ``WakeUpHooks.run_once``)."""
+    hooks.run_once(lambda c: fetch_value(c, NOTIFY, [channel, payload]))

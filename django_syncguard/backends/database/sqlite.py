@@ -6,10 +6,19 @@ front for the multi-statement acquire (never to find the key held: a live lock i
 answered from a read); release and extend are single ``DELETE`` /
 ``UPDATE ... RETURNING`` statements (SQLite 3.35 or newer). See
 ``specs/backends/database.md``, Operations on SQLite.
+
+Wait queues (fair waiting) live in a file of their own beside the database
+(:func:`queue_file`), attached to each private connection as ``syncguard_queue``: a
+waiter must queue its ticket while the key is held, and any commit to the database
+file between a holder's first read and its first write in its transaction makes that
+write fail at once ("database is locked"). A commit to the queue file does not.
 """
 
 from __future__ import annotations
 
+import os
+import sqlite3
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
@@ -26,6 +35,7 @@ from ...errors import NetworkTimeout, ServiceUnavailable
 from ...fencing import FENCE_MAX, format_fence
 from ...liveness import Clock, is_live, system_clock_ms
 from ...results import TimeAuthority
+from ...waiting import Queue, WaitTicket, queue_admits, queue_head
 from .operations import (
     ACQUIRED,
     FENCE_OVERFLOW,
@@ -36,10 +46,12 @@ from .operations import (
     Row,
     Runner,
     StorageKeys,
+    WakeUpHooks,
     fetch_row,
     fetch_value,
     row_count,
 )
+from .wakeups import DatabaseWakeUps, LocalWakeUps
 
 T = TypeVar("T")
 
@@ -55,7 +67,29 @@ UPSERT_FENCE = (
     "INSERT INTO syncguard_fence_counters (fence_key, fence) VALUES (%s, %s) "
     "ON CONFLICT (fence_key) DO UPDATE SET fence = excluded.fence"
 )
-RELEASE = "DELETE FROM syncguard_locks WHERE lock_id = %s AND expires_at_ms > %s RETURNING 1"
+RELEASE = (
+    "DELETE FROM syncguard_locks WHERE lock_id = %s AND expires_at_ms > %s "
+    "RETURNING key, coalesce(user_key, key)"
+)
+
+# The wait queue, in the attached queue file: the layout of the syncguard_waiters table
+# that migration 0004 makes (that table, in the database file, stays empty on SQLite).
+QUEUE_SCHEMA = "syncguard_queue"
+QUEUE = f"{QUEUE_SCHEMA}.syncguard_waiters"
+CREATE_QUEUE = (
+    f"CREATE TABLE IF NOT EXISTS {QUEUE} (key text NOT NULL, ticket_id varchar(22) NOT NULL, "
+    "arrival bigint NOT NULL, live_until_ms bigint NOT NULL, PRIMARY KEY (key, ticket_id)) "
+    "WITHOUT ROWID"
+)
+SELECT_QUEUE = f"SELECT ticket_id, arrival, live_until_ms FROM {QUEUE} WHERE key = %s"
+UPSERT_TICKET = (
+    f"INSERT INTO {QUEUE} (key, ticket_id, arrival, live_until_ms) "
+    "VALUES (%s, %s, %s, %s) ON CONFLICT (key, ticket_id) DO UPDATE SET "
+    "arrival = excluded.arrival, live_until_ms = excluded.live_until_ms"
+)
+DELETE_TICKET = f"DELETE FROM {QUEUE} WHERE key = %s AND ticket_id = %s"
+PRUNE_QUEUE = f"DELETE FROM {QUEUE} WHERE key = %s AND live_until_ms <= %s"
+WITHDRAW = f"{DELETE_TICKET} RETURNING 1"
 EXTEND = (
     "UPDATE syncguard_locks SET expires_at_ms = %s "
     "WHERE lock_id = %s AND expires_at_ms > %s RETURNING expires_at_ms"
@@ -123,9 +157,12 @@ class SqliteOperations(DatabaseOperations):
     backend_name: ClassVar[str] = "sqlite"
     time_authority: ClassVar[TimeAuthority] = "client"
 
-    def __init__(self, run: Runner, clock: Clock = system_clock_ms, *, database: str) -> None:
+    def __init__(
+        self, run: Runner, clock: Clock = system_clock_ms, *, database: str, queues: bool = True
+    ) -> None:
         self._wal_mode: bool | None = None
-        super().__init__(self._bounded_under_caller_transaction(run), clock, database=database)
+        bounded = self._bounded_under_caller_transaction(run)
+        super().__init__(bounded, clock, database=database, queues=queues)
         watch_transaction_writes(database)
 
     def check(self, alias: str) -> list[Any]:
@@ -168,9 +205,14 @@ class SqliteOperations(DatabaseOperations):
         return self.clock()
 
     def acquire(
-        self, keys: StorageKeys, lock_id: str, ttl_ms: int, check_cancel: Callable[[], None]
+        self,
+        keys: StorageKeys,
+        lock_id: str,
+        ttl_ms: int,
+        check_cancel: Callable[[], None],
+        ticket: WaitTicket | None = None,
     ) -> AcquireReply:
-        return self.run(lambda c: self._acquire(c, keys, lock_id, ttl_ms, check_cancel))
+        return self.run(lambda c: self._acquire(c, keys, lock_id, ttl_ms, check_cancel, ticket))
 
     def _acquire(
         self,
@@ -179,23 +221,32 @@ class SqliteOperations(DatabaseOperations):
         lock_id: str,
         ttl_ms: int,
         check_cancel: Callable[[], None],
+        ticket: WaitTicket | None,
     ) -> AcquireReply:
         """Acquire in one transaction that holds the database lock from its start, so
-        no other writer runs between the reads and the writes."""
-        if not self._begin_unless_held(cursor, keys.storage_key):
-            return LOCKED, None, None
+        no other writer runs between the reads and the writes. A ticket for a held key,
+        or one that is not first in line, is queued in a transaction of the queue file
+        alone."""
+        if not self._begin_unless_held(cursor, keys.storage_key, ticket):
+            if ticket is None:
+                return LOCKED, None, None, None
+            return LOCKED, None, None, self._enqueue(cursor, keys.storage_key, ticket)
         try:
-            reply = self._read_then_write(cursor, keys, lock_id, ttl_ms, check_cancel)
-            cursor.execute("COMMIT" if reply[0] == ACQUIRED else "ROLLBACK")
+            reply, wrote = self._read_then_write(
+                cursor, keys, lock_id, ttl_ms, check_cancel, ticket
+            )
+            cursor.execute("COMMIT" if wrote else "ROLLBACK")
             return reply
         except BaseException:
             with suppress(Exception):
                 cursor.execute("ROLLBACK")
             raise
 
-    def _begin_unless_held(self, cursor: Any, storage_key: str) -> bool:
-        """``BEGIN IMMEDIATE``, unless the key's lock is live (then False, and the
-        database's write lock was never taken).
+    def _begin_unless_held(
+        self, cursor: Any, storage_key: str, ticket: WaitTicket | None = None
+    ) -> bool:
+        """``BEGIN IMMEDIATE``, unless the key's lock is live or another live waiter is
+        first in its queue (then False, and the database's write lock was never taken).
 
         The key is read before each try for the write lock, and a try does not wait
         (busy timeout 0); between tries the key is read again, for as long as the
@@ -204,13 +255,16 @@ class SqliteOperations(DatabaseOperations):
         just taken the key: and a holder whose transaction goes from reading to writing
         while another connection has the write lock fails at once ("database is
         locked"), as SQLite does not wait in that case. So callers waiting for a held
-        key never take the write lock."""
+        key never take the write lock, nor do waiters whose turn it is not."""
         pause = 0.001
         with _busy_timeout(cursor, 0) as wait_ms:
             deadline = time.monotonic() + wait_ms / 1000
             while True:
                 try:
-                    if self._live(cursor, storage_key, self.clock()):
+                    now = self.clock()
+                    if self._live(cursor, storage_key, now) or self._not_first(
+                        cursor, storage_key, ticket, now
+                    ):
                         return False
                     cursor.execute("BEGIN IMMEDIATE")
                     return True
@@ -219,6 +273,16 @@ class SqliteOperations(DatabaseOperations):
                         raise
                 time.sleep(pause)
                 pause = min(2 * pause, WRITE_LOCK_PAUSE_MAX_S)
+
+    def _not_first(
+        self, cursor: Any, storage_key: str, ticket: WaitTicket | None, now: int
+    ) -> bool:
+        """Whether a live waiter other than ``ticket`` is first in the key's queue (a
+        read outside any transaction; the acquire's transaction decides again)."""
+        if not self.queues:
+            return False
+        head = queue_head(_read_queue(cursor, storage_key), now)
+        return head is not None and (ticket is None or head != ticket.id)
 
     @staticmethod
     def _live(cursor: Any, storage_key: str, now: int) -> bool:
@@ -233,31 +297,109 @@ class SqliteOperations(DatabaseOperations):
         lock_id: str,
         ttl_ms: int,
         check_cancel: Callable[[], None],
-    ) -> AcquireReply:
+        ticket: WaitTicket | None,
+    ) -> tuple[AcquireReply, bool]:
+        """The acquire's reads and writes inside its transaction; the reply, and whether
+        anything was written (to commit)."""
         now = self.clock()
-        if self._live(cursor, keys.storage_key, now):
-            return LOCKED, None, None
+        live = self._live(cursor, keys.storage_key, now)
+        queue = _read_queue(cursor, keys.storage_key) if self.queues else {}
+        before = dict(queue)
+        arrival = max((number for number, _ in queue.values()), default=0) + 1
+        take, position = queue_admits(queue, now, free=not live, ticket=ticket, arrival=arrival)
+        if not take:
+            check_cancel()  # before the queue's writes
+            wrote = _write_queue(cursor, keys.storage_key, before, queue)
+            return (LOCKED, None, None, position), wrote
         fence = int(fetch_value(cursor, SELECT_FENCE, [keys.fence_key]) or 0) + 1
         if fence > FENCE_MAX:
-            return FENCE_OVERFLOW, None, None
+            return (FENCE_OVERFLOW, None, None, None), False
         check_cancel()  # after the reads, before the writes
+        _write_queue(cursor, keys.storage_key, before, queue)
         cursor.execute(
             UPSERT_LOCK,
             [keys.storage_key, lock_id, now + ttl_ms, now, format_fence(fence), keys.user_key],
         )
         cursor.execute(UPSERT_FENCE, [keys.fence_key, fence])
-        return ACQUIRED, fence, now + ttl_ms
+        return (ACQUIRED, fence, now + ttl_ms, None), True
+
+    def _enqueue(self, cursor: Any, storage_key: str, ticket: WaitTicket) -> int | None:
+        """Queue (or renew) ``ticket`` for the held key, in a transaction that writes
+        the queue file only; its first statement, which prunes the key's stale
+        tickets, takes that file's write lock before anything is read from it. Returns
+        the ticket's place among the live waiters."""
+        cursor.execute("BEGIN")
+        try:
+            now = self.clock()
+            cursor.execute(PRUNE_QUEUE, [storage_key, now])
+            queue = _read_queue(cursor, storage_key)
+            before = dict(queue)
+            arrival = max((number for number, _ in queue.values()), default=0) + 1
+            _, position = queue_admits(queue, now, free=False, ticket=ticket, arrival=arrival)
+            _write_queue(cursor, storage_key, before, queue)
+            cursor.execute("COMMIT")
+            return position
+        except BaseException:
+            with suppress(Exception):
+                cursor.execute("ROLLBACK")
+            raise
+
+    def prepare_connection(self, raw: Any) -> None:
+        """Attach the queue file to a new private connection (with queues on)."""
+        if not self.queues:
+            return
+        raw.execute(f"ATTACH DATABASE ? AS {QUEUE_SCHEMA}", [queue_file(self._name())])
+        # Readers of the queue never block its writers, and losing the last queue
+        # changes to a power cut costs nothing: a waiter queues again at its next try.
+        with suppress(OperationalError, sqlite3.OperationalError):
+            raw.execute(f"PRAGMA {QUEUE_SCHEMA}.journal_mode = WAL")
+        raw.execute(f"PRAGMA {QUEUE_SCHEMA}.synchronous = OFF")
+        raw.execute(CREATE_QUEUE)
+
+    def _name(self) -> str:
+        return str(connections[self.database].settings_dict["NAME"])
 
     def release(self, lock_id: str) -> tuple[bool, bool]:
         now = self.clock()
 
-        def release(cursor: Any) -> tuple[bool, bool]:
-            cursor.execute(RELEASE, [lock_id, now - TIME_TOLERANCE_MS])
-            if cursor.fetchone() is not None:
-                return True, True
-            return False, fetch_value(cursor, EXISTS_ID, [lock_id]) is not None
+        def release(cursor: Any) -> tuple[Row | None, bool]:
+            row = fetch_row(cursor, RELEASE, [lock_id, now - TIME_TOLERANCE_MS])
+            if row is not None:
+                return row, True
+            return None, fetch_value(cursor, EXISTS_ID, [lock_id]) is not None
 
-        return self.run(release)
+        deleted, existed = self.run(release)  # (storage key, key) of the deleted lock
+        if deleted is None:
+            return False, existed
+        self._wake_next(str(deleted[1]), str(deleted[0]), now)
+        return True, True
+
+    def withdraw(self, keys: StorageKeys, key: str, ticket_id: str) -> None:
+        if not self.queues:
+            return
+        params = [keys.storage_key, ticket_id]
+        if self.run(lambda c: fetch_value(c, WITHDRAW, params)) is None:
+            return
+        now = self.clock()
+        if not self.run(lambda c: self._live(c, keys.storage_key, now)):
+            self._wake_next(key, keys.storage_key, now)
+
+    def _wake_next(self, key: str, storage_key: str, now: int) -> None:
+        """Wake the first live waiter of the free ``key``, if it waits in this process
+        (no other process can be reached: they poll)."""
+        wake_ups = _local_wake_ups.get(queue_file(self._name())) if self.queues else None
+        if wake_ups is None or not wake_ups.waiting_on(key):
+            return
+        head = queue_head(self.run(lambda c: _read_queue(c, storage_key)), now)
+        if head is not None:
+            wake_ups.deliver(key, head)
+
+    def make_wake_ups(self, name: str, hooks: WakeUpHooks) -> DatabaseWakeUps:
+        # One registry per database file in this process: a release through any backend
+        # on the file wakes the waiters of every other.
+        path = queue_file(self._name())
+        with _local_wake_ups_mutex:
+            return _local_wake_ups.setdefault(path, LocalWakeUps(f"sqlite:{path}"))
 
     def extend(self, lock_id: str, ttl_ms: int) -> tuple[int | None, bool]:
         now = self.clock()
@@ -307,6 +449,39 @@ def _busy_timeout(cursor: Any, timeout_ms: int) -> Iterator[int]:
         yield before
     finally:
         cursor.execute(f"PRAGMA busy_timeout = {before}")
+
+
+def queue_file(name: str) -> str:
+    """The queue file beside the SQLite database ``name`` (a path or a ``file:`` URI,
+    which Django's connections accept)."""
+    if name.startswith("file:"):
+        path, mark, query = name.partition("?")
+        return f"{path}-syncguard-queue{mark}{query}"
+    if name == ":memory:" or not name:
+        return name
+    return os.path.abspath(name) + "-syncguard-queue"
+
+
+def _read_queue(cursor: Any, storage_key: str) -> Queue:
+    """The key's queue rows, as :func:`~django_syncguard.waiting.queue_admits` takes it."""
+    cursor.execute(SELECT_QUEUE, [storage_key])
+    return {str(ticket): (int(arrival), int(until)) for ticket, arrival, until in cursor.fetchall()}
+
+
+def _write_queue(cursor: Any, storage_key: str, before: Queue, after: Queue) -> bool:
+    """Store what the queue rule changed; whether it changed anything."""
+    gone = [ticket for ticket in before if ticket not in after]
+    changed = [(t, entry) for t, entry in after.items() if before.get(t) != entry]
+    for ticket in gone:
+        cursor.execute(DELETE_TICKET, [storage_key, ticket])
+    for ticket, (arrival, until) in changed:
+        cursor.execute(UPSERT_TICKET, [storage_key, ticket, arrival, until])
+    return bool(gone or changed)
+
+
+#: The in-process wake-ups of each SQLite database file (see make_wake_ups).
+_local_wake_ups: dict[str, LocalWakeUps] = {}
+_local_wake_ups_mutex = threading.Lock()
 
 
 def _with_busy_timeout(timeout_ms: int, work: Callable[[Any], T], cursor: Any) -> T:

@@ -78,6 +78,34 @@ def resolve(alias: str, options: Mapping[str, Any]) -> Target | Problem:
     return Target(database, OPERATIONS[vendor])
 
 
+def resolve_listen(options: Mapping[str, Any], target: Target) -> str | Problem:
+    """The ``DATABASES`` alias the PostgreSQL wake-ups LISTEN through:
+    ``OPTIONS["LISTEN_DATABASE"]``, by default the locks' own alias. Another alias must
+    reach the same PostgreSQL database (directly, where the locks' alias goes through a
+    transaction pooler); that cannot be told without I/O, only its vendor can."""
+    if "LISTEN_DATABASE" not in options:
+        return target.database
+    listen = options["LISTEN_DATABASE"]
+    if target.operations.vendor != "postgresql":
+        return Problem(
+            "OPTIONS['LISTEN_DATABASE'] applies to PostgreSQL only (SQLite has no LISTEN); "
+            "remove it."
+        )
+    if not isinstance(listen, str) or listen not in connections.settings:
+        configured = ", ".join(repr(a) for a in connections.settings) or "none"
+        return Problem(
+            f"OPTIONS['LISTEN_DATABASE'] = {listen!r} is not an alias of DATABASES "
+            f"(configured: {configured})."
+        )
+    vendor = load_backend(connections.settings[listen]["ENGINE"]).DatabaseWrapper.vendor
+    if vendor != "postgresql":
+        return Problem(
+            f"OPTIONS['LISTEN_DATABASE'] = {listen!r} is a {vendor!r} database; it must "
+            "reach the locks' PostgreSQL database."
+        )
+    return listen
+
+
 def check_errors(alias: str, params: Mapping[str, Any]) -> list[checks.CheckMessage]:
     """The system-check errors :func:`resolve` finds in the ``SYNCGUARD_BACKENDS``
     entry ``params``. A malformed entry or an unloadable ``ENGINE`` is left to

@@ -1,0 +1,633 @@
+"""Wake-ups and fair queues of the database backend, on real PostgreSQL and SQLite.
+
+PostgreSQL: a release NOTIFYs the first live waiter, heard by one LISTEN connection per
+backend and process (``wakeups.PostgresWakeUps``), across processes; a lost listener
+makes waiters poll until it is back; a listener that cannot hear (a transaction pooler)
+is detected by a probe. SQLite: no channel between processes, so waiters poll, and
+their queue (in a file beside the database) still serves them in arrival order.
+Waits for events are bounded by generous timeouts, never slept.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import multiprocessing
+import os
+import random
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+from django.core.management import call_command
+from django.db import connections
+
+from django_syncguard import InvalidArgument, current_lock, generate_lock_id, lock, signals
+from django_syncguard.backends.database import DatabaseBackend
+from django_syncguard.backends.database import wakeups as wakeups_module
+from django_syncguard.backends.database.sqlite import QUEUE, queue_file
+from django_syncguard.backends.database.wakeups import DEAF_WARNING, channel_name
+from django_syncguard.results import AcquireResult
+from django_syncguard.waiting import WaitTicket
+from tests.support import wakeup_workers
+from tests.support.faults import wait_until
+from tests.support.processes import Children
+from tests.support.proxy import FaultProxy
+
+TTL = 60_000
+WAKE_S = 10.0  # generous bound for an event that must arrive; never slept
+on_postgres = pytest.mark.django_db(transaction=True, databases=["postgres"])
+on_sqlite = pytest.mark.django_db(transaction=True, databases=["default"])
+LOGGER = "django_syncguard.backends.database"
+
+
+def build(database: str, **options: Any) -> DatabaseBackend:
+    """A backend of its own (its own listener), under an alias no other test uses."""
+    alias = f"wake-{uuid.uuid4().hex[:8]}"
+    return DatabaseBackend(alias, {"OPTIONS": {"DATABASE": database, **options}})
+
+
+@pytest.fixture
+def pg() -> Iterator[DatabaseBackend]:
+    backend = build("postgres")
+    yield backend
+    backend.close()
+
+
+@pytest.fixture
+def other() -> Iterator[DatabaseBackend]:
+    """Another backend on the same database: holders and releasers."""
+    backend = build("postgres")
+    yield backend
+    backend.close()
+
+
+@pytest.fixture
+def children() -> Iterator[Children]:
+    spawned = Children()
+    try:
+        yield spawned
+    finally:
+        spawned.terminate()
+
+
+def databases() -> dict[str, dict[str, Any]]:
+    """The parent's test databases, for the children."""
+    return {alias: dict(connections[alias].settings_dict) for alias in ("default", "postgres")}
+
+
+def reply(queue: Any) -> Any:
+    got = queue.get(timeout=wakeup_workers.PATIENCE_S)
+    if isinstance(got, BaseException):
+        raise got
+    return got
+
+
+def query(backend: DatabaseBackend, sql: str, params: list[Any]) -> list[tuple[Any, ...]]:
+    with backend.connection().cursor() as cursor:
+        cursor.execute(sql, params)
+        return list(cursor.fetchall())
+
+
+@pytest.fixture
+def alias_to(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """Add a ``DATABASES`` alias: the ``postgres`` alias's settings with changes."""
+    added: list[str] = []
+
+    def add(**changes: Any) -> str:
+        name = f"alias-{uuid.uuid4().hex[:8]}"
+        settings_dict = copy.deepcopy(connections["postgres"].settings_dict)
+        settings_dict.update(changes)
+        monkeypatch.setitem(connections.settings, name, settings_dict)
+        added.append(name)
+        return name
+
+    yield add
+    for name in added:
+        connections[name].close()
+
+
+# ------------------------------------------------------------------ PostgreSQL
+def queue_and_subscribe(backend: DatabaseBackend, key: str, ticket: WaitTicket) -> Any:
+    """Register ``ticket``'s listener and queue it on the held ``key``. The first
+    contended attempt LISTENs on the key's channel; the listener is healthy once the
+    server confirmed, and it is woken then, to try again (as a waiter would)."""
+    listener = backend.wake_ups.listen(key, ticket.id)
+    assert not backend.acquire(key, TTL, ticket=ticket).ok
+    if not listener.healthy:
+        assert listener.wait(WAKE_S, None) is True  # subscribed: try again
+        assert not backend.acquire(key, TTL, ticket=ticket).ok
+    assert listener.healthy
+    return listener
+
+
+@on_postgres
+def test_a_release_in_another_process_wakes_a_waiter_here(pg, children):
+    to_parent, from_parent = children.ctx.Queue(), children.ctx.Queue()
+    children.start(wakeup_workers.pg_holder, databases(), "wake:cross", to_parent, from_parent)
+    assert reply(to_parent) == ("held", "000000000000001")
+    ticket = WaitTicket.new()
+    listener = queue_and_subscribe(pg, "wake:cross", ticket)
+    try:
+        generation = pg.wake_ups.generation
+        queued = pg.acquire("wake:cross", TTL, ticket=ticket)
+        assert queued == AcquireResult(ok=False, reason="locked", queue_position=0)
+        from_parent.put("release")
+        assert listener.wait(WAKE_S, None) is True
+        assert reply(to_parent) == ("released", True)
+        assert pg.acquire("wake:cross", TTL, ticket=ticket).fence == "000000000000002"
+        # Woken by the NOTIFY, not by a lost connection.
+        assert pg.wake_ups.generation == generation
+    finally:
+        listener.close()
+    children.join()
+
+
+@on_postgres
+def test_an_uncontended_lock_never_listens(pg):
+    assert lock(lambda: current_lock().fence, key="wake:free", using=pg) == "000000000000001"
+    assert pg.wake_ups.listening() == frozenset()
+    assert pg.wake_ups.backend_pid is None  # no LISTEN connection was even opened
+
+
+def waiting_lock(backend: DatabaseBackend, key: str) -> tuple[threading.Thread, dict[str, Any]]:
+    """A thread that waits for ``key`` with ``lock()``; the dict gets ``"queued"`` (an
+    event, set at its first contended attempt) and then its ``"fence"``."""
+    queued = threading.Event()
+    outcome: dict[str, Any] = {"queued": queued}
+
+    def contended(sender: Any, alias: str, attempt: int, **kwargs: Any) -> None:
+        if alias == backend.alias:
+            queued.set()
+
+    def run() -> None:
+        signals.lock_contended.connect(contended, weak=False)
+        try:
+            outcome["fence"] = lock(
+                lambda: current_lock().fence,  # type: ignore[union-attr]
+                key=key,
+                using=backend,
+                ttl_ms=TTL,
+                timeout_ms=60_000,
+                max_retries=1_000_000,  # a waiter that polls tries every 10 ms
+            )
+        except Exception as exc:
+            outcome["error"] = exc
+        finally:
+            signals.lock_contended.disconnect(contended)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, outcome
+
+
+@on_postgres
+def test_a_killed_listener_connection_means_polling_until_it_is_back(pg, other):
+    held = other.acquire("wake:killed", TTL)
+    wake_ups = pg.wake_ups
+    thread, outcome = waiting_lock(pg, "wake:killed")
+    try:
+        assert outcome["queued"].wait(WAKE_S)
+        wait_until(
+            lambda: channel_name("wake:killed") in wake_ups.listening(), WAKE_S, "subscribed"
+        )
+        killed, generation = wake_ups.backend_pid, wake_ups.generation
+        assert query(other, "SELECT pg_terminate_backend(%s)", [killed]) == [(True,)]
+        wait_until(lambda: wake_ups.generation > generation, WAKE_S, "the loss was noticed")
+        other.release(held.lock_id)
+    finally:
+        thread.join(WAKE_S * 3)
+    assert outcome.get("error") is None
+    assert outcome["fence"] == "000000000000002"
+    # Back, on a new session, and a new waiter is woken by a release again.
+    assert wake_ups.wait_connected(WAKE_S)
+    assert wake_ups.backend_pid not in (None, killed)
+    held = other.acquire("wake:killed", TTL)
+    listener = queue_and_subscribe(pg, "wake:killed", WaitTicket.new())
+    try:
+        other.release(held.lock_id)
+        assert listener.wait(WAKE_S, None) is True
+    finally:
+        listener.close()
+
+
+@on_postgres
+def test_a_waiter_whose_listener_cannot_reconnect_acquires_by_polling(other, alias_to):
+    # The listener goes through a TCP proxy: a reset ends its session, and while the
+    # proxy holds every byte no new session can start, so no NOTIFY can reach us.
+    with FaultProxy(int(connections["postgres"].settings_dict["PORT"])) as proxy:
+        backend = build("postgres", LISTEN_DATABASE=alias_to(PORT=str(proxy.port)))
+        try:
+            wake_ups = backend.wake_ups
+            held = other.acquire("wake:cut", TTL)
+            thread, outcome = waiting_lock(backend, "wake:cut")
+            assert outcome["queued"].wait(WAKE_S)
+            assert wake_ups.wait_connected(WAKE_S)
+            generation = wake_ups.generation
+            proxy.stall()
+            proxy.drop()
+            wait_until(lambda: wake_ups.generation > generation, WAKE_S, "the loss was noticed")
+            assert not wake_ups.connected
+            other.release(held.lock_id)
+            thread.join(WAKE_S * 3)
+            assert outcome.get("error") is None
+            assert outcome["fence"] == "000000000000002"
+            assert not wake_ups.connected  # acquired while nothing could be heard
+            proxy.resume()
+            assert wake_ups.wait_connected(WAKE_S * 3)
+        finally:
+            backend.close()
+
+
+@on_postgres
+def test_no_wake_up_is_lost_when_releases_race_queued_attempts(pg, other):
+    """Many rounds of a release racing a waiter's attempt, each started after random
+    delays: whenever the attempt queued the ticket, the release must wake it."""
+    rounds = 1_000
+    rng = random.Random(20261124)
+    start, finish = threading.Barrier(2, timeout=WAKE_S), threading.Barrier(2, timeout=WAKE_S)
+    held: list[Any] = [None]
+    stop = threading.Event()
+
+    def spin(microseconds: int) -> None:
+        end = time.perf_counter() + microseconds / 1e6
+        while time.perf_counter() < end:
+            pass
+
+    def releaser() -> None:
+        try:
+            while True:
+                start.wait()
+                if stop.is_set():
+                    return
+                spin(rng.randrange(0, 600))
+                released.append(other.release(held[0].lock_id).ok)
+                finish.wait()
+        except threading.BrokenBarrierError:
+            return  # the test ended early
+        except Exception as exc:  # reported by the assertion on ``released``
+            released.append(exc)
+            finish.abort()
+
+    # Subscribe to the key's channel once; it stays LISTENed while the rounds use it.
+    warm_up, first = other.acquire("wake:race", TTL), WaitTicket.new()
+    queue_and_subscribe(pg, "wake:race", first).close()
+    pg.withdraw("wake:race", first.id)
+    other.release(warm_up.lock_id)
+    released: list[bool] = []
+    thread = threading.Thread(target=releaser, daemon=True)
+    thread.start()
+    outcomes = {"queued": 0, "free": 0}
+    try:
+        for _ in range(rounds):
+            held[0] = other.acquire("wake:race", TTL)
+            ticket = WaitTicket.new()
+            listener = pg.wake_ups.listen("wake:race", ticket.id)
+            try:
+                assert listener.healthy
+                start.wait()
+                spin(rng.randrange(0, 600))
+                got = pg.acquire("wake:race", TTL, ticket=ticket)
+                finish.wait()
+                if not got.ok:
+                    outcomes["queued"] += 1
+                    assert listener.wait(WAKE_S, None) is True, "a wake-up was lost"
+                    got = pg.acquire("wake:race", TTL, ticket=ticket)
+                else:
+                    outcomes["free"] += 1
+                assert got.ok
+                assert pg.release(got.lock_id).ok
+            finally:
+                listener.close()
+        stop.set()
+        start.wait()
+    finally:
+        stop.set()
+        start.abort()
+        finish.abort()
+        thread.join(WAKE_S)
+    assert released == [True] * rounds, released[-1:]
+    assert outcomes["queued"] > 0, outcomes  # the race did queue waiters
+    assert outcomes["queued"] + outcomes["free"] == rounds
+
+
+@on_postgres
+def test_one_listen_connection_per_process_whatever_the_number_of_waiters(pg, other):
+    keys = [f"wake:many:{n % 5}" for n in range(40)]
+    for key in set(keys):
+        other.acquire(key, TTL)
+
+    def wait_for(key: str) -> Any:
+        ticket = WaitTicket.new()
+        listener = pg.wake_ups.listen(key, ticket.id)
+        assert not pg.acquire(key, TTL, ticket=ticket).ok
+        assert listener.healthy or listener.wait(WAKE_S, None)
+        return listener
+
+    with ThreadPoolExecutor(8) as pool:
+        listeners = list(pool.map(wait_for, keys))
+    try:
+        assert [listener.healthy for listener in listeners] == [True] * len(keys)
+        name = f"syncguard listen {os.getpid()} {pg.alias}"
+        sql = "SELECT pid FROM pg_stat_activity WHERE application_name = %s"
+        assert query(other, sql, [name]) == [(pg.wake_ups.backend_pid,)]
+        assert pg.wake_ups.listening() == {channel_name(key) for key in set(keys)}
+    finally:
+        for listener in listeners:
+            listener.close()
+
+
+@on_postgres
+async def test_an_async_waiter_is_woken_by_a_release(pg, other):
+    held = await other.aacquire("wake:async", TTL)
+    ticket = WaitTicket.new()
+    listener = await pg.wake_ups.alisten("wake:async", ticket.id)
+    try:
+        assert (await pg.aacquire("wake:async", TTL, ticket=ticket)).queue_position == 0
+        assert await listener.await_wake(WAKE_S, None) is True  # subscribed: try again
+        assert listener.healthy
+        assert (await pg.aacquire("wake:async", TTL, ticket=ticket)).queue_position == 0
+        assert (await other.arelease(held.lock_id)).ok
+        assert await listener.await_wake(WAKE_S, None) is True
+        assert (await pg.aacquire("wake:async", TTL, ticket=ticket)).fence == "000000000000002"
+    finally:
+        listener.close()
+
+
+def _forked_waiter(wake_ups: Any, key: str, ticket_id: str, reports: Any) -> None:
+    """In a forked child: subscribe on the inherited wake-ups, report, wait for a wake."""
+    try:
+        listener = wake_ups.listen(key, ticket_id)
+        wake_ups.queued(key)  # the parent queues the ticket for us
+        subscribed = listener.wait(WAKE_S, None)
+        reports.put(("listening", subscribed and listener.healthy, wake_ups.backend_pid))
+        reports.put(("woken", listener.wait(WAKE_S, None)))
+        wake_ups.close()
+    except Exception as exc:
+        reports.put(exc)
+
+
+@on_postgres
+def test_a_forked_child_listens_on_its_own_connection_and_leaves_the_parent_s(pg, other):
+    parent = pg.wake_ups
+    held = other.acquire("wake:fork", TTL)
+    ctx = multiprocessing.get_context("fork")
+    reports = ctx.Queue()
+    theirs = WaitTicket.new()
+    assert other.acquire("wake:fork", TTL, ticket=theirs).queue_position == 0
+    mine = WaitTicket.new()
+    listener = queue_and_subscribe(pg, "wake:fork", mine)  # second in line
+    try:
+        parents_pid = parent.backend_pid
+        child = ctx.Process(target=_forked_waiter, args=(parent, "wake:fork", theirs.id, reports))
+        child.start()
+        try:
+            _, healthy, childs_pid = reply(reports)
+            assert healthy is True
+            assert childs_pid not in (None, parents_pid)
+            # The child's ticket is first in line, then ours: each release wakes its own.
+            assert other.release(held.lock_id).ok
+            assert reply(reports) == ("woken", True)
+            got = other.acquire("wake:fork", TTL, ticket=theirs)
+            assert other.release(got.lock_id).ok
+            assert listener.wait(WAKE_S, None) is True  # the parent's session is intact
+            assert (parent.backend_pid, listener.healthy) == (parents_pid, True)
+        finally:
+            child.join(WAKE_S)
+            if child.is_alive():
+                child.terminate()
+        assert child.exitcode == 0
+    finally:
+        listener.close()
+
+
+@on_postgres
+def test_a_withdrawal_wakes_the_next_waiter(pg, other):
+    held = other.acquire("wake:withdraw", TTL)
+    first, second = WaitTicket.new(), WaitTicket.new()
+    assert other.acquire("wake:withdraw", TTL, ticket=first).queue_position == 0
+    listener = queue_and_subscribe(pg, "wake:withdraw", second)
+    try:
+        assert other.release(held.lock_id).ok  # wakes ``first``, not us
+        assert listener.wait(0, None) is False
+        other.withdraw("wake:withdraw", first.id)
+        assert listener.wait(WAKE_S, None) is True
+        assert pg.acquire("wake:withdraw", TTL, ticket=second).fence == "000000000000002"
+    finally:
+        listener.close()
+
+
+@on_postgres
+def test_a_channel_nobody_waits_on_is_unlistened_later(pg, monkeypatch):
+    monkeypatch.setattr(wakeups_module, "IDLE_CHANNEL_S", 0.0)
+    wake_ups = pg.wake_ups
+    listener = wake_ups.listen("wake:unused", generate_lock_id())
+    wake_ups.queued("wake:unused")
+    assert listener.wait(WAKE_S, None) is True
+    assert channel_name("wake:unused") in wake_ups.listening()
+    listener.close()
+    wake_ups.queued("wake:other")  # a turn of the listener thread
+    wait_until(
+        lambda: channel_name("wake:unused") not in wake_ups.listening(),
+        WAKE_S,
+        "the unused channel was dropped",
+    )
+    assert channel_name("wake:other") in wake_ups.listening()
+
+
+@on_postgres
+def test_a_listener_that_hears_nothing_is_reported_and_waiters_poll(
+    other, alias_to, caplog: pytest.LogCaptureFixture
+):
+    # What a transaction pooler does to LISTEN (it succeeds; nothing is ever
+    # delivered), done for real: the listening connection goes to another database of
+    # the same server, and PostgreSQL delivers a NOTIFY only within its database.
+    caplog.set_level(logging.WARNING, logger=LOGGER)
+    backend = build("postgres", LISTEN_DATABASE=alias_to(NAME="postgres"))
+    try:
+        wake_ups = backend.wake_ups
+        held = other.acquire("wake:deaf", TTL)
+        thread, outcome = waiting_lock(backend, "wake:deaf")
+        assert outcome["queued"].wait(WAKE_S)
+        assert wake_ups.wait_connected(WAKE_S) is False  # the probe found it deaf
+        assert wake_ups.reaches_other_processes is False
+        again = wake_ups.listen("wake:deaf:2", generate_lock_id())
+        wake_ups.queued("wake:deaf:2")
+        assert (again.confirmed, again.healthy) == (False, False)
+        again.close()
+        warnings = [r for r in caplog.records if r.name == LOGGER]
+        assert [r.getMessage() for r in warnings] == [DEAF_WARNING % (backend.alias, 1.0)]
+        # Waiters poll instead, and still get the lock.
+        other.release(held.lock_id)
+        thread.join(WAKE_S * 3)
+        assert outcome.get("error") is None and outcome["fence"] == "000000000000002"
+        # The deploy check says it too, and how to fix it.
+        [message] = backend.deploy_check()
+        assert message.id == "syncguard.W012"
+        assert "LISTEN_DATABASE" in message.hint
+    finally:
+        backend.close()
+
+
+@on_postgres
+def test_the_deploy_check_is_quiet_when_notifications_arrive(pg):
+    assert pg.deploy_check() == []
+    assert build("postgres", WAKE_UPS=False).deploy_check() == []
+
+
+@on_postgres
+def test_the_deploy_check_reports_a_server_it_cannot_ask(alias_to):
+    backend = build("postgres", LISTEN_DATABASE=alias_to(PORT="1"), CONNECT_TIMEOUT_MS=1_000)
+    [message] = backend.deploy_check()
+    assert message.id == "syncguard.W011"
+
+
+@on_postgres
+def test_listen_database_must_be_a_postgresql_alias(alias_to):
+    with pytest.raises(InvalidArgument, match="LISTEN_DATABASE"):
+        build("postgres", LISTEN_DATABASE="nope")
+    with pytest.raises(InvalidArgument, match="LISTEN_DATABASE"):
+        build("postgres", LISTEN_DATABASE="default")  # SQLite
+    with pytest.raises(InvalidArgument, match="PostgreSQL only"):
+        build("default", LISTEN_DATABASE="postgres")
+    assert build("postgres", LISTEN_DATABASE=alias_to()).listen_database.startswith("alias-")
+
+
+@on_postgres
+def test_queued_acquire_and_withdraw_are_one_statement_each(pg, other):
+    from django.test.utils import CaptureQueriesContext
+
+    held = other.acquire("wake:rt", TTL)
+    ticket = WaitTicket.new()
+    conn = pg.connection()
+    conn.ensure_connection()
+    with CaptureQueriesContext(conn) as queued:
+        pg.acquire("wake:rt", TTL, ticket=ticket)
+    with CaptureQueriesContext(conn) as withdrawn:
+        pg.withdraw("wake:rt", ticket.id)
+    assert (len(queued), len(withdrawn)) == (1, 1)
+    assert other.release(held.lock_id).ok
+
+
+def test_the_reverse_migration_restores_the_previous_functions(
+    postgres_server, django_db_blocker, alias_to
+):
+    # On a database of its own: migrating back and forth must not disturb the others
+    # (no django_db marker: a test case would only allow its declared aliases).
+    name = f"syncguard_migrations_{uuid.uuid4().hex[:8]}"
+    maintenance = alias_to(NAME="postgres", PORT=str(postgres_server.port))
+    alias = alias_to(NAME=name, PORT=str(postgres_server.port))
+    with django_db_blocker.unblock():
+        with connections[maintenance].cursor() as cursor:
+            cursor.execute(f'CREATE DATABASE "{name}"')
+        try:
+            migrate_back_and_forth(alias)
+        finally:
+            connections[alias].close()
+            with connections[maintenance].cursor() as cursor:
+                cursor.execute(f'DROP DATABASE "{name}" WITH (FORCE)')
+            connections[maintenance].close()
+
+
+def migrate_back_and_forth(alias: str) -> None:
+    call_command("migrate", "django_syncguard", database=alias, verbosity=0)
+    assert functions(alias) == {
+        ("syncguard_acquire", 7, "sql"),
+        ("syncguard_acquire", 9, "plpgsql"),
+        ("syncguard_channel", 1, "sql"),
+        ("syncguard_extend", 3, "plpgsql"),
+        ("syncguard_release", 2, "plpgsql"),
+        ("syncguard_withdraw", 3, "plpgsql"),
+    }
+    assert "pg_notify" in release_source(alias)
+    call_command("migrate", "django_syncguard", "0003", database=alias, verbosity=0)
+    assert functions(alias) == {
+        ("syncguard_acquire", 7, "plpgsql"),
+        ("syncguard_extend", 3, "plpgsql"),
+        ("syncguard_release", 2, "plpgsql"),
+    }
+    assert "pg_notify" not in release_source(alias)
+    call_command("migrate", "django_syncguard", database=alias, verbosity=0)
+    backend = build(alias)
+    try:
+        # The seven-argument acquire of code deployed before 0005 still works.
+        with backend.connection().cursor() as cursor:
+            cursor.execute(
+                "SELECT * FROM syncguard_acquire('old', 'fence:old', %s, 1000, NULL, 9, 1000)",
+                [generate_lock_id()],
+            )
+            assert cursor.fetchone()[:2] == (1, 1)
+        assert backend.acquire("migrated", TTL).fence == "000000000000001"
+    finally:
+        backend.close()
+
+
+def functions(alias: str) -> set[tuple[str, int, str]]:
+    with connections[alias].cursor() as cursor:
+        cursor.execute(
+            "SELECT p.proname, p.pronargs, l.lanname FROM pg_proc p "
+            "JOIN pg_language l ON l.oid = p.prolang "
+            "WHERE p.proname LIKE 'syncguard%%' AND pg_function_is_visible(p.oid)"
+        )
+        return set(cursor.fetchall())
+
+
+def release_source(alias: str) -> str:
+    with connections[alias].cursor() as cursor:
+        cursor.execute("SELECT prosrc FROM pg_proc WHERE proname = 'syncguard_release'")
+        return str(cursor.fetchone()[0])
+
+
+# ---------------------------------------------------------------------- SQLite
+@pytest.mark.slow
+@on_sqlite
+def test_sqlite_waiters_of_three_processes_are_served_in_arrival_order(children):
+    """No release reaches another process on SQLite (waiters poll), but the queue still
+    decides who is next: each process queues while the key is held, and the fences
+    come out in the order they queued."""
+    backend = build("default")
+    reports = children.ctx.Queue()
+    try:
+        held = backend.acquire("wake:fifo", TTL)
+        for index in range(3):  # each queues before the next one starts
+            children.start(wakeup_workers.sqlite_waiter, databases(), "wake:fifo", index, reports)
+            assert reply(reports) == ("queued", index)
+        assert backend.release(held.lock_id).ok
+        acquired = [reply(reports) for _ in range(3)]
+        children.join()
+    finally:
+        backend.close()
+    assert acquired == [
+        ("acquired", 0, "000000000000002"),
+        ("acquired", 1, "000000000000003"),
+        ("acquired", 2, "000000000000004"),
+    ]
+
+
+@on_sqlite
+def test_sqlite_queue_lives_beside_the_database_and_never_reaches_other_processes():
+    backend = build("default")
+    try:
+        name = str(connections["default"].settings_dict["NAME"])
+        assert queue_file(name) == os.path.abspath(name) + "-syncguard-queue"
+        assert queue_file("file:x?mode=memory") == "file:x-syncguard-queue?mode=memory"
+        held = backend.acquire("wake:lite", TTL)
+        ticket = WaitTicket.new()
+        listener = backend.wake_ups.listen("wake:lite", ticket.id)
+        try:
+            assert backend.acquire("wake:lite", TTL, ticket=ticket).queue_position == 0
+            rows = query(backend, f"SELECT ticket_id FROM {QUEUE}", [])
+            assert rows == [(ticket.id,)]
+            assert query(backend, "SELECT count(*) FROM syncguard_waiters", []) == [(0,)]
+            # A release in this process wakes it; one in another process could not.
+            assert listener.confirmed and not listener.healthy
+            assert backend.release(held.lock_id).ok
+            assert listener.wait(WAKE_S, None) is True
+        finally:
+            listener.close()
+    finally:
+        backend.close()
