@@ -175,6 +175,11 @@ class PostgresWakeUps(DatabaseWakeUps):
     def connected(self) -> bool:
         return self._status == "connected"
 
+    def ready(self, key: str) -> bool:
+        channel = channel_name(self._storage_key(key))
+        with self._cond:
+            return self._status == "connected" and channel in self._listening
+
     def _subscribe(self, key: str) -> bool:
         # No round trip here: True when the channel is LISTENed already; otherwise the
         # first contended attempt asks for it (queued) and the thread confirms the
