@@ -121,6 +121,11 @@ class _Loop:
     def remaining_s(self) -> float:
         return max(self.policy.timeout_ms / 1000 - (self.clock() - self.started), 0.0)
 
+    def check_time(self) -> None:
+        """``AcquisitionTimeout`` once ``timeout_ms`` has passed."""
+        if self.remaining_s() <= 0:
+            raise self._timeout(f"{self.policy.timeout_ms:g} ms ({self.attempt + 1} attempts)")
+
     def _timeout(self, after: str) -> AcquisitionTimeout:
         """The error for giving up; it names the key by its hash (the raw key is in the
         context only, as logs and error trackers show messages)."""
@@ -150,15 +155,25 @@ def acquire_with_retry(
     """
     loop = _Loop(policy, clock, rng, key)
     loop.start()
-    while True:
-        result = acquire()
-        if result.ok:
-            return result
+    result = acquire()
+    while not result.ok:
         delay = loop.next_delay_s()
         if session is None:
             sleeper(delay, cancel)
-        else:
-            session.pause(delay, loop.remaining_s(), cancel, result.queue_position)
+            result = acquire()
+            continue
+        # Attempts a wake-up brings before the backoff delay is over are extra: they
+        # do not use up max_retries (the formulas bound the sleeps, not the wake-ups).
+        due = clock() + delay
+        while True:
+            session.pause(
+                max(due - clock(), 0.0), loop.remaining_s(), cancel, result.queue_position
+            )
+            result = acquire()
+            if result.ok or clock() >= due:
+                break
+            loop.check_time()
+    return result
 
 
 async def aacquire_with_retry(
@@ -175,12 +190,20 @@ async def aacquire_with_retry(
     """Async twin of :func:`acquire_with_retry`."""
     loop = _Loop(policy, clock, rng, key)
     loop.start()
-    while True:
-        result = await acquire()
-        if result.ok:
-            return result
+    result = await acquire()
+    while not result.ok:
         delay = loop.next_delay_s()
         if session is None:
             await sleeper(delay, cancel)
-        else:
-            await session.apause(delay, loop.remaining_s(), cancel, result.queue_position)
+            result = await acquire()
+            continue
+        due = clock() + delay
+        while True:
+            await session.apause(
+                max(due - clock(), 0.0), loop.remaining_s(), cancel, result.queue_position
+            )
+            result = await acquire()
+            if result.ok or clock() >= due:
+                break
+            loop.check_time()
+    return result
