@@ -400,3 +400,25 @@ def test_wake_ups_deliver_only_to_the_named_ticket():
     listen_first.close()
     listen_second.close()
     assert wake_ups.keys() == []
+
+
+def test_early_polls_of_the_first_waiter_do_not_use_up_max_retries(mem, no_check_in):
+    backend = mem.backend
+    backend.wake_ups.deliver = lambda key, ticket_id=None: False  # nothing is delivered
+    backend.wake_ups.reaches_other_processes = False  # as on SQLite across processes
+    held = backend.acquire("w:polls", 10_000)
+    polls = threading.Semaphore(0)
+
+    def receiver(sender, **kwargs):
+        polls.release()
+
+    signals.lock_contended.connect(receiver, weak=False)
+    try:
+        options = {"max_retries": 1, "retry_delay_ms": 600_000, "backoff": "fixed"}
+        waiter = in_thread(lambda: lock(lambda: "ran", key="w:polls", using=backend, **options))
+        for _ in range(5):  # five polls (10 ms apart) before the holder lets go
+            assert polls.acquire(timeout=JOIN_S)
+    finally:
+        signals.lock_contended.disconnect(receiver)
+    backend.release(held.lock_id)
+    assert finished(*waiter) == "ran"
