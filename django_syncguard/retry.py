@@ -11,8 +11,11 @@ specification's formulas. With ``attempt`` the 1-based number of failed attempts
 
 then ``delay = min(delay, timeout_ms - elapsed)``. Total attempts are at most
 ``max_retries + 1``; once the time is used up (or the attempts are), the loop raises
-``AcquisitionTimeout``. A delay of 0 (``retry_delay_ms=0``) retries at once rather
-than ending the loop: only elapsed time ends it.
+``AcquisitionTimeout``. A waiting session may try again before a delay is up (woken,
+or polling as the first in line): those extra attempts do not count, so
+``max_retries`` counts the steps of the schedule (see ``_Loop.next_delay_s``). A
+delay of 0 (``retry_delay_ms=0``) retries at once rather than ending the loop: only
+elapsed time ends it.
 """
 
 from __future__ import annotations
@@ -103,20 +106,38 @@ class _Loop:
     key: str
     attempt: int = 0
     started: float = 0.0
+    #: When the current backoff step ends (``paced`` loops).
+    due: float = 0.0
 
     def start(self) -> None:
         self.started = self.clock()
 
-    def next_delay_s(self) -> float:
-        """After a failed attempt: seconds to wait, or ``AcquisitionTimeout``."""
+    def next_delay_s(self, *, paced: bool = False) -> float:
+        """After a failed attempt: seconds to wait, or ``AcquisitionTimeout``.
+
+        ``paced``: a waiting session's loop, which may try again before the delay is
+        up (woken by a release, or polling as the first in line when no wake-up can
+        reach it). Such an attempt, made before the current backoff step has ended,
+        does not count toward ``max_retries`` (``timeout_ms`` still bounds the wait),
+        and the delay is what is left of the step: ``max_retries`` keeps counting the
+        steps of the backoff schedule, however often a waiter tries within them.
+        """
+        now = self.clock()
+        if paced and now < self.due:
+            remaining = self.policy.timeout_ms - (now - self.started) * 1000
+            if remaining <= 0:
+                raise self._timeout(f"{self.policy.timeout_ms:g} ms ({self.attempt} attempts)")
+            return min(self.due - now, remaining / 1000)
         self.attempt += 1
         attempts = self.attempt
         if attempts > self.policy.max_retries:
             raise self._timeout(f"{attempts} attempts (max_retries={self.policy.max_retries})")
-        remaining = self.policy.timeout_ms - (self.clock() - self.started) * 1000
+        remaining = self.policy.timeout_ms - (now - self.started) * 1000
         if remaining <= 0:
             raise self._timeout(f"{self.policy.timeout_ms:g} ms ({attempts} attempts)")
-        return min(self.policy.delay_ms(attempts, self.rng), remaining) / 1000
+        delay = min(self.policy.delay_ms(attempts, self.rng), remaining) / 1000
+        self.due = now + delay
+        return delay
 
     def remaining_s(self) -> float:
         return max(self.policy.timeout_ms / 1000 - (self.clock() - self.started), 0.0)
@@ -154,7 +175,7 @@ def acquire_with_retry(
         result = acquire()
         if result.ok:
             return result
-        delay = loop.next_delay_s()
+        delay = loop.next_delay_s(paced=session is not None)
         if session is None:
             sleeper(delay, cancel)
         else:
@@ -179,7 +200,7 @@ async def aacquire_with_retry(
         result = await acquire()
         if result.ok:
             return result
-        delay = loop.next_delay_s()
+        delay = loop.next_delay_s(paced=session is not None)
         if session is None:
             await sleeper(delay, cancel)
         else:
