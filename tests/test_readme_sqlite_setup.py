@@ -185,7 +185,7 @@ def test_the_readme_s_sqlite_set_up_keeps_the_locks_in_their_own_file(tmp_path: 
         "django_migrations",
         "syncguard_locks",
         "syncguard_fence_counters",
-        "syncguard_waiters",
+        "syncguard_waiters",  # empty on SQLite: the queue has a file of its own
     }
     # Migrate also made them in db.sqlite3, where they stay empty.
     with sqlite3.connect(tmp_path / "db.sqlite3") as db:

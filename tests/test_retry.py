@@ -104,6 +104,36 @@ def test_total_attempts_are_max_retries_plus_one():
     )
 
 
+class PollingSession:
+    """A waiting session whose pauses end after ``poll_ms`` (the first in line polling
+    when no wake-up can reach it), on the fake clock."""
+
+    def __init__(self, t: FakeTime, poll_ms: float) -> None:
+        self.t = t
+        self.poll_ms = poll_ms
+        self.pauses_ms: list[float] = []
+
+    def pause(self, delay_s, remaining_s, cancel, position) -> None:
+        self.pauses_ms.append(round(delay_s * 1000, 6))
+        self.t.now += min(delay_s, self.poll_ms / 1000)
+
+
+def test_attempts_within_a_backoff_step_of_a_waiting_session_do_not_count():
+    # Polling every 10 ms does not use up max_retries in 30 ms: only the attempts at
+    # the end of each backoff step (10, 20 ms: the schedule above) count.
+    t = FakeTime()
+    session = PollingSession(t, poll_ms=10)
+    acquire, calls = scripted(*[LOCKED] * 10)
+    policy = RetryPolicy(max_retries=3, retry_delay_ms=10, jitter="none", timeout_ms=60_000)
+    with pytest.raises(AcquisitionTimeout, match="after 4 attempts"):
+        acquire_with_retry(
+            acquire, policy, key="k", clock=t.clock, sleeper=t.sleep, session=session
+        )
+    assert session.pauses_ms == [10, 20, 10, 40, 30, 20, 10]
+    assert len(calls) == 8  # 4 counted, 4 within a step
+    assert round(t.now - 100.0, 6) == 0.07  # the schedule's 10 + 20 + 40 ms
+
+
 def test_max_retries_zero_tries_once():
     t = FakeTime()
     acquire, calls = scripted(LOCKED)

@@ -200,13 +200,23 @@ class PostgresWakeUps(DatabaseWakeUps):
             if self._status in ("deaf", "closed"):
                 return
             self._unused.pop(channel, None)
-            if channel in self._listening or channel in self._wanted:
+            if channel in self._wanted:
+                return
+            if channel in self._listening and self._all_confirmed(key):
                 return
             self._keys[channel] = key
             self._wanted.add(channel)
             if self._status == "idle":
                 self._start()
-            self._kick()
+            elif self._status == "connected":
+                self._kick()
+            # Down: the thread LISTENs it when it is back (a kick would cut its backoff).
+
+    def _all_confirmed(self, key: str) -> bool:
+        """Whether every waiter of ``key`` in this process counts as subscribed (one
+        that registered while its channel's LISTEN was being confirmed may not)."""
+        with self._mutex:
+            return all(lst.confirmed for lst in self._listeners.get(key, {}).values())
 
     def _unsubscribe(self, key: str) -> None:
         # Lazily: the thread UNLISTENs the channel once it has been unused for a while.
@@ -394,11 +404,16 @@ class PostgresWakeUps(DatabaseWakeUps):
         """One turn: LISTEN what was asked for, UNLISTEN what went unused."""
         with self._cond:
             listen = self._wanted - self._listening
+            # Asked for again while already LISTENed: a waiter whose registration
+            # crossed the confirmation (see queued); confirm it now.
+            again = self._wanted & self._listening
             self._wanted.clear()
             drop = self._expired_unused()
             for channel in drop:
                 self._listening.discard(channel)
                 self._keys.pop(channel, None)
+        if again:
+            self._confirm(again)
         if not (listen or drop):
             return
         sql = "; ".join(
