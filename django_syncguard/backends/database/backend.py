@@ -134,8 +134,8 @@ class DatabaseBackend(BatchedCleanup, BaseLockBackend):
             wake_ups.queued(key)
 
     def _wake_up_hooks(self) -> WakeUpHooks:
-        # A first subscription connects and probes: the connect timeout, a reply, the
-        # probe's wait; later ones wait for one reply at most.
+        # The longest the listener's thread can be busy with the server: connecting,
+        # the probe (a reply, the notification's wait, one more reply).
         reply_timeout_s = (
             (self.connect_timeout_ms + 2 * self.operation_timeout_ms) / 1000
             + PROBE_S

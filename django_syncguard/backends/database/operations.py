@@ -71,7 +71,8 @@ class WakeUpHooks(NamedTuple):
     run_once: Callable[[Callable[[Any], Any]], Any]
     #: The storage key of a key.
     storage_key: Callable[[str], str]
-    #: How long a waiter waits for its subscription to be confirmed.
+    #: The longest the listener's thread can be busy with the server (``close()``
+    #: waits that long for it).
     reply_timeout_s: float
 
 

@@ -134,8 +134,9 @@ class PostgresWakeUps(DatabaseWakeUps):
 
     ``connect`` opens a new Django connection (autocommit, our timeouts) to listen on;
     ``probe`` sends ``pg_notify(channel, payload)`` through a normal connection of the
-    backend; ``storage_key`` maps a key to its storage key; ``reply_timeout_s`` bounds
-    how long a waiter waits for its subscription to be confirmed.
+    backend; ``storage_key`` maps a key to its storage key; ``reply_timeout_s`` is the
+    longest the thread can be busy with the server (connecting, probing, a reply),
+    how long ``close()`` waits for it.
     """
 
     def __init__(
