@@ -474,6 +474,33 @@ def test_a_listener_that_hears_nothing_is_reported_and_waiters_poll(
 
 
 @on_postgres
+def test_behind_pgbouncer_in_transaction_mode_waiters_poll_and_the_check_says_so(
+    pgbouncer, other, alias_to, caplog: pytest.LogCaptureFixture
+):
+    # The real thing: every connection of the backend goes through PgBouncer in
+    # transaction mode, where LISTEN succeeds on a server connection that the client
+    # no longer owns once the statement is done, so no NOTIFY ever reaches it.
+    caplog.set_level(logging.WARNING, logger=LOGGER)
+    backend = build(alias_to(PORT=str(pgbouncer.port)))
+    try:
+        held = other.acquire("wake:pgbouncer", TTL)
+        thread, outcome = waiting_lock(backend, "wake:pgbouncer")
+        assert outcome["queued"].wait(WAKE_S)
+        assert backend.wake_ups.wait_connected(WAKE_S) is False  # the probe: deaf
+        assert backend.wake_ups.reaches_other_processes is False
+        warnings = [r.getMessage() for r in caplog.records if r.name == LOGGER]
+        assert warnings == [DEAF_WARNING % (backend.alias, 1.0)]
+        # The waiter polls through PgBouncer, and gets the lock once it is free.
+        other.release(held.lock_id)
+        thread.join(WAKE_S * 3)
+        assert outcome.get("error") is None and outcome["fence"] == "000000000000002"
+        [message] = backend.deploy_check()
+        assert message.id == "syncguard.W012"
+    finally:
+        backend.close()
+
+
+@on_postgres
 def test_the_deploy_check_is_quiet_when_notifications_arrive(pg):
     assert pg.deploy_check() == []
     assert build("postgres", WAKE_UPS=False).deploy_check() == []

@@ -51,6 +51,17 @@ def wait_for_port(port: int, timeout_s: float) -> None:
     raise ServerUnavailable(f"nothing listens on 127.0.0.1:{port} after {timeout_s} s")
 
 
+def terminate(process: subprocess.Popen[bytes] | None) -> None:
+    """SIGTERM a server we started (by its PID), SIGKILL it if it lingers."""
+    if process is not None and process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(20)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(5)
+
+
 def unprivileged_user() -> str | None:
     """The user to run servers as when we are root (``postgres``, else ``nobody``)."""
     if os.geteuid() != 0:
@@ -240,13 +251,7 @@ class RedisServer:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()  # SIGTERM: Redis flushes the AOF and exits
-            try:
-                self.process.wait(20)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(5)
+        terminate(self.process)  # SIGTERM: Redis flushes the AOF and exits
         self.process = None
 
     def restart(self) -> None:
@@ -329,13 +334,7 @@ class PgBouncerServer:
         return self
 
     def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(20)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(5)
+        terminate(self.process)
         self.process = None
 
     def destroy(self) -> None:
