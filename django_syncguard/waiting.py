@@ -24,7 +24,8 @@ at the latest at the specification's backoff delay. While its listener is *healt
 was queued) a release cannot go unannounced, so a timer wake-up sends no request
 until :data:`CHECK_IN_MS` has passed (it still notices a holder that died, by the TTL,
 at that check-in). An unhealthy listener (a lost connection, SQLite across processes)
-polls at the backoff delay, the first in line at most every :data:`HEAD_POLL_MS`.
+polls at the backoff delay, the first in line at most every :data:`HEAD_POLL_MS` (the waiter at place ``p`` every
+``(p + 1) * HEAD_POLL_MS``).
 
 See ``specs/contract.md`` (Waiting) and each backend's spec for its queue and channel.
 """
@@ -316,8 +317,10 @@ class WaitSession:
         if self.healthy:
             return min(CHECK_IN_MS / 1000, remaining_s)
         budget = min(delay_s, CHECK_IN_MS / 1000, remaining_s)
-        if position == 0:
-            budget = min(budget, HEAD_POLL_MS / 1000)
+        if position is not None:
+            # Polling by place: the first in line every HEAD_POLL_MS, the next ones a
+            # little less often, so whoever moves up to first learns it soon.
+            budget = min(budget, HEAD_POLL_MS * (position + 1) / 1000)
         return budget
 
     def pause(

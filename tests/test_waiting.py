@@ -376,10 +376,11 @@ class _Listener:
     [
         (True, 0.05, 5.0, 3, CHECK_IN_MS / 1000),  # healthy: sleep to the check-in
         (True, 0.05, 0.3, 0, 0.3),  # ...but never past the timeout
-        (False, 0.4, 5.0, 3, 0.4),  # unhealthy: the backoff delay
-        (False, 4.0, 5.0, 3, CHECK_IN_MS / 1000),  # ...capped at the check-in
+        (False, 0.4, 5.0, None, 0.4),  # unhealthy, place unknown: the backoff delay
+        (False, 4.0, 5.0, None, CHECK_IN_MS / 1000),  # ...capped at the check-in
         (False, 0.4, 5.0, 0, HEAD_POLL_MS / 1000),  # first in line polls quickly
-        (False, 0.4, 5.0, None, 0.4),  # position unknown
+        (False, 0.4, 5.0, 3, 4 * HEAD_POLL_MS / 1000),  # fourth: four times less often
+        (False, 0.02, 5.0, 3, 0.02),  # ...never later than the backoff delay
     ],
 )
 def test_pause_plan(healthy, delay_s, remaining_s, position, expected_s):

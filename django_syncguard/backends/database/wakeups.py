@@ -118,6 +118,11 @@ class LocalWakeUps(DatabaseWakeUps):
 
     reaches_other_processes = False
 
+    def ready(self, key: str) -> bool:
+        # Registering costs no I/O, but a ticketed attempt reads the queue file: the
+        # first attempt goes without one, so an uncontended lock() stays as cheap.
+        return False
+
     def waiting_on(self, key: str) -> bool:
         """Whether a waiter of this process waits for ``key``."""
         with self._mutex:
