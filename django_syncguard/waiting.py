@@ -24,8 +24,8 @@ at the latest at the specification's backoff delay. While its listener is *healt
 was queued) a release cannot go unannounced, so a timer wake-up sends no request
 until :data:`CHECK_IN_MS` has passed (it still notices a holder that died, by the TTL,
 at that check-in). An unhealthy listener (a lost connection, SQLite across processes)
-polls at the backoff delay, the first in line at most every :data:`HEAD_POLL_MS` (the waiter at place ``p`` every
-``(p + 1) * HEAD_POLL_MS``).
+polls at the backoff delay, and by its place in line: the waiter at place ``p`` (0 is
+first) at least every ``(p + 1) * HEAD_POLL_MS``.
 
 See ``specs/contract.md`` (Waiting) and each backend's spec for its queue and channel.
 """
