@@ -70,9 +70,11 @@ def postgres_server() -> Iterator[PostgresServer]:
         yield server
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture
 def pgbouncer(postgres_server: PostgresServer) -> Iterator[PgBouncerServer]:
-    """PgBouncer in transaction mode in front of the session's PostgreSQL."""
+    """PgBouncer in transaction mode in front of the session's PostgreSQL; stopped
+    after the test, so its pooled server connections do not outlive it (they would
+    keep the test database from being dropped)."""
     with running("pgbouncer", PgBouncerServer(postgres_server.port)) as server:
         yield server
 

@@ -430,13 +430,22 @@ def test_a_channel_nobody_waits_on_is_unlistened_later(pg, monkeypatch):
     assert listener.wait(WAKE_S, None) is True
     assert channel_name("wake:unused") in wake_ups.listening()
     listener.close()
-    wake_ups.queued("wake:other")  # a turn of the listener thread
-    wait_until(
-        lambda: channel_name("wake:unused") not in wake_ups.listening(),
-        WAKE_S,
-        "the unused channel was dropped",
-    )
-    assert channel_name("wake:other") in wake_ups.listening()
+    # A turn of the listener thread, for a key someone waits on (kept).
+    other = wake_ups.listen("wake:other", generate_lock_id())
+    try:
+        wake_ups.queued("wake:other")
+        wait_until(
+            lambda: channel_name("wake:unused") not in wake_ups.listening(),
+            WAKE_S,
+            "the unused channel was dropped",
+        )
+        wait_until(
+            lambda: channel_name("wake:other") in wake_ups.listening(),
+            WAKE_S,
+            "the channel waited on is listened to",
+        )
+    finally:
+        other.close()
 
 
 @on_postgres
@@ -477,15 +486,16 @@ def test_a_listener_that_hears_nothing_is_reported_and_waiters_poll(
 def test_behind_pgbouncer_in_transaction_mode_waiters_poll_and_the_check_says_so(
     pgbouncer, other, alias_to, caplog: pytest.LogCaptureFixture
 ):
-    # The real thing: every connection of the backend goes through PgBouncer in
-    # transaction mode, where LISTEN succeeds on a server connection that the client
-    # no longer owns once the statement is done, so no NOTIFY ever reaches it.
+    # The real thing: the listening connection goes through PgBouncer in transaction
+    # mode, where LISTEN succeeds on a server connection that the client no longer
+    # owns once the statement is done, so no NOTIFY ever reaches it. (The lock
+    # connections stay on the test database's alias, which the test may use.)
     caplog.set_level(logging.WARNING, logger=LOGGER)
-    backend = build(alias_to(PORT=str(pgbouncer.port)))
+    backend = build("postgres", LISTEN_DATABASE=alias_to(PORT=str(pgbouncer.port)))
     try:
         held = other.acquire("wake:pgbouncer", TTL)
         thread, outcome = waiting_lock(backend, "wake:pgbouncer")
-        assert outcome["queued"].wait(WAKE_S)
+        assert outcome["queued"].wait(WAKE_S), outcome.get("error")
         assert backend.wake_ups.wait_connected(WAKE_S) is False  # the probe: deaf
         assert backend.wake_ups.reaches_other_processes is False
         warnings = [r.getMessage() for r in caplog.records if r.name == LOGGER]
