@@ -41,7 +41,6 @@ import itertools
 import math
 import multiprocessing
 import os
-import platform
 import queue
 import random
 import shutil
@@ -1292,31 +1291,16 @@ def write_report(
     load_start: str,
     load_end: str,
 ) -> str:
-    from bench.report import cpu_model, hypervisor, os_name, ram, version
+    from bench.report import client_versions, machine_rows
 
-    versions = ", ".join(
-        f"{name} {version(dist)}"
-        for name, dist in (
-            ("Django", "django"),
-            ("psycopg", "psycopg"),
-            ("redis-py", "redis"),
-            ("hiredis", "hiredis"),
-            ("python-redis-lock", "python-redis-lock"),
-            ("google-cloud-firestore", "google-cloud-firestore"),
-        )
-    )
+    versions = client_versions()
     out = [
         "# Contention: fair, notified waiting (issue 14)",
         "",
         f"`{args.command}`, started {started:%Y-%m-%d %H:%M} UTC, took {took / 60:.1f} min; "
         f"{args.seconds:g} s per cell.",
         "",
-        "| machine | |",
-        "|---|---|",
-        f"| CPU | {cpu_model()}{hypervisor()}, {os.cpu_count()} cores |",
-        f"| RAM | {ram()} |",
-        f"| OS | {os_name()} |",
-        f"| Python | {platform.python_implementation()} {platform.python_version()} |",
+        *machine_rows(),
     ]
     for section in sections:
         if section.server:

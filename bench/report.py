@@ -198,6 +198,33 @@ def os_name() -> str:
     return f"{pretty}, kernel {platform.release()} {platform.machine()}"
 
 
+def client_versions() -> str:
+    """The client libraries the benchmarks drive, with their installed versions."""
+    return ", ".join(
+        f"{name} {version(dist)}"
+        for name, dist in (
+            ("Django", "django"),
+            ("psycopg", "psycopg"),
+            ("redis-py", "redis"),
+            ("hiredis", "hiredis"),
+            ("python-redis-lock", "python-redis-lock"),
+            ("google-cloud-firestore", "google-cloud-firestore"),
+        )
+    )
+
+
+def machine_rows() -> list[str]:
+    """The head of a report's machine table: CPU, RAM, OS and Python."""
+    return [
+        "| machine | |",
+        "|---|---|",
+        f"| CPU | {cpu_model()}{hypervisor()}, {os.cpu_count()} cores |",
+        f"| RAM | {ram()} |",
+        f"| OS | {os_name()} |",
+        f"| Python | {platform.python_implementation()} {platform.python_version()} |",
+    ]
+
+
 def version(distribution: str) -> str:
     try:
         return importlib.metadata.version(distribution)
@@ -406,17 +433,7 @@ def write_markdown(
     load_start: str,
     load_end: str,
 ) -> None:
-    versions = ", ".join(
-        f"{name} {version(dist)}"
-        for name, dist in (
-            ("Django", "django"),
-            ("psycopg", "psycopg"),
-            ("redis-py", "redis"),
-            ("hiredis", "hiredis"),
-            ("python-redis-lock", "python-redis-lock"),
-            ("google-cloud-firestore", "google-cloud-firestore"),
-        )
-    )
+    versions = client_versions()
     command = (
         f"`.venv/bin/python bench/report.py --seconds {args.seconds:g} --rounds {args.rounds} "
         f"--backends {','.join(s.name for s in sections)} --memory-locks {args.memory_locks}`"
@@ -427,12 +444,7 @@ def write_markdown(
         f"Every backend against its peers, side by side on one server per backend; {command}, "
         f"started {started:%Y-%m-%d %H:%M} UTC, took {took / 60:.1f} min.",
         "",
-        "| machine | |",
-        "|---|---|",
-        f"| CPU | {cpu_model()}{hypervisor()}, {os.cpu_count()} cores |",
-        f"| RAM | {ram()} |",
-        f"| OS | {os_name()} |",
-        f"| Python | {platform.python_implementation()} {platform.python_version()} |",
+        *machine_rows(),
     ]
     for section in sections:
         if section.server:
