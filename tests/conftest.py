@@ -30,6 +30,7 @@ from tests.support.harness import (
     MemoryHarness,
     RedisHarness,
 )
+from tests.support.processes import Children
 from tests.support.servers import (
     FirestoreEmulator,
     PgBouncerServer,
@@ -170,6 +171,16 @@ def mem() -> Iterator[MemoryHarness]:
         yield h
     finally:
         h.close()
+
+
+@pytest.fixture
+def children() -> Iterator[Children]:
+    """Child processes started by the test; any still running are terminated after it."""
+    spawned = Children()
+    try:
+        yield spawned
+    finally:
+        spawned.terminate()
 
 
 @pytest.fixture

@@ -35,7 +35,6 @@ from django_syncguard.results import AcquireResult
 from django_syncguard.waiting import WaitTicket
 from tests.support import wakeup_workers
 from tests.support.faults import wait_until
-from tests.support.processes import Children
 from tests.support.proxy import FaultProxy
 
 TTL = 60_000
@@ -64,15 +63,6 @@ def other() -> Iterator[DatabaseBackend]:
     backend = build("postgres")
     yield backend
     backend.close()
-
-
-@pytest.fixture
-def children() -> Iterator[Children]:
-    spawned = Children()
-    try:
-        yield spawned
-    finally:
-        spawned.terminate()
 
 
 def databases() -> dict[str, dict[str, Any]]:

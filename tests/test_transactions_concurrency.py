@@ -131,15 +131,6 @@ def case(request: pytest.FixtureRequest) -> Case:
     )
 
 
-@pytest.fixture
-def children() -> Iterator[Children]:
-    spawned = Children()
-    try:
-        yield spawned
-    finally:
-        spawned.terminate()
-
-
 def account(case: Case, balance: int) -> Account:
     return Account.objects.using(case.data).create(name=f"account-{uuid.uuid4()}", balance=balance)
 

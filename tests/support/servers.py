@@ -23,7 +23,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 PG_BIN = Path(os.environ.get("SYNCGUARD_PG_BIN", "/usr/lib/postgresql/15/bin"))
 #: Whether a server that cannot start fails the tests that need it (else: a skip).
@@ -198,14 +198,36 @@ class PostgresServer:
         self._ctl("start", "-w", "-t", "60", "-l", str(self.log_file), "-o", self._opts())
 
 
+class InTempRoot:
+    """What a server started by ``Popen`` in a temporary ``root`` shares: removal of
+    that directory, and the tail of its log file, ``root / log_name``."""
+
+    root: Path
+    log_name: ClassVar[str]
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+    def destroy(self) -> None:
+        self.stop()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    def log_tail(self) -> str:
+        try:
+            return (self.root / self.log_name).read_text(errors="replace")[-2000:]
+        except OSError:
+            return "(no log)"
+
+
 @dataclass
-class RedisServer:
+class RedisServer(InTempRoot):
     """A throw-away ``redis-server`` (Debian's package) on a free loopback port."""
 
     port: int = 0
     aof: bool = False
     root: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="syncguard-redis-")))
     process: subprocess.Popen[bytes] | None = None
+    log_name = "server.log"
 
     def start(self) -> RedisServer:
         binary = shutil.which("redis-server")
@@ -228,7 +250,7 @@ class RedisServer:
                 "--protected-mode",
                 "no",
                 "--logfile",
-                str(self.root / "server.log"),
+                str(self.root / self.log_name),
             ]
             if self.aof:
                 argv += ["--appendonly", "yes", "--appendfsync", "always"]
@@ -259,16 +281,6 @@ class RedisServer:
         self.stop()
         self.start()
 
-    def destroy(self) -> None:
-        self.stop()
-        shutil.rmtree(self.root, ignore_errors=True)
-
-    def log_tail(self) -> str:
-        try:
-            return (self.root / "server.log").read_text()[-2000:]
-        except OSError:
-            return "(no log)"
-
     # -- fault injection (tests/test_faults.py, on servers of its own) -------------
     def kill(self) -> None:
         """SIGKILL redis-server: no final AOF flush, no shutdown save."""
@@ -279,7 +291,7 @@ class RedisServer:
 
 
 @dataclass
-class PgBouncerServer:
+class PgBouncerServer(InTempRoot):
     """PgBouncer (Debian's package) in transaction pooling mode, in front of a
     :class:`PostgresServer`: the pooler under which ``LISTEN`` cannot work."""
 
@@ -290,6 +302,7 @@ class PgBouncerServer:
     process: subprocess.Popen[bytes] | None = None
 
     BINARY = Path("/usr/sbin/pgbouncer")
+    log_name = "pgbouncer.log"
 
     def start(self) -> PgBouncerServer:
         if not self.BINARY.exists():
@@ -312,7 +325,7 @@ class PgBouncerServer:
                 "max_client_conn = 200\ndefault_pool_size = 10\n"
                 # Django and psycopg send these startup parameters.
                 "ignore_startup_parameters = extra_float_digits,options\n"
-                f"logfile = {self.root / 'pgbouncer.log'}\n"
+                f"logfile = {self.root / self.log_name}\n"
             )
             (self.root / "users.txt").write_text('"postgres" ""\n')
             if self.user:
@@ -337,19 +350,9 @@ class PgBouncerServer:
         terminate(self.process)
         self.process = None
 
-    def destroy(self) -> None:
-        self.stop()
-        shutil.rmtree(self.root, ignore_errors=True)
-
-    def log_tail(self) -> str:
-        try:
-            return (self.root / "pgbouncer.log").read_text()[-2000:]
-        except OSError:
-            return "(no log)"
-
 
 @dataclass
-class FirestoreEmulator:
+class FirestoreEmulator(InTempRoot):
     """``gcloud emulators firestore start`` on a free loopback port (Java 17)."""
 
     port: int = 0
@@ -357,6 +360,7 @@ class FirestoreEmulator:
     process: subprocess.Popen[bytes] | None = None
     #: An ``.overall_export_metadata`` file to load at start (see ``export``).
     import_data: Path | None = None
+    log_name = "emulator.log"
 
     @property
     def host(self) -> str:
@@ -370,7 +374,7 @@ class FirestoreEmulator:
         argv = [gcloud, "emulators", "firestore", "start", f"--host-port={self.host}", "--quiet"]
         if self.import_data is not None:
             argv.append(f"--import-data={self.import_data}")
-        log = (self.root / "emulator.log").open("wb")
+        log = (self.root / self.log_name).open("wb")
         self.process = subprocess.Popen(
             argv,
             stdout=log,
@@ -403,16 +407,6 @@ class FirestoreEmulator:
                     os.killpg(self.process.pid, signal.SIGKILL)
                 self.process.wait(5)
         self.process = None
-
-    def destroy(self) -> None:
-        self.stop()
-        shutil.rmtree(self.root, ignore_errors=True)
-
-    def log_tail(self) -> str:
-        try:
-            return (self.root / "emulator.log").read_text(errors="replace")[-2000:]
-        except OSError:
-            return "(no log)"
 
     # -- fault injection (tests/test_faults.py, on emulators of its own) -----------
     def export(self, project: str) -> Path:
