@@ -303,10 +303,9 @@ class SqliteOperations(DatabaseOperations):
         anything was written (to commit)."""
         now = self.clock()
         live = self._live(cursor, keys.storage_key, now)
-        queue = _read_queue(cursor, keys.storage_key) if self.queues else {}
-        before = dict(queue)
-        arrival = max((number for number, _ in queue.values()), default=0) + 1
-        take, position = queue_admits(queue, now, free=not live, ticket=ticket, arrival=arrival)
+        take, position, before, queue = _queue_rule(
+            cursor, keys.storage_key, now, free=not live, ticket=ticket, stored=self.queues
+        )
         if not take:
             check_cancel()  # before the queue's writes
             wrote = _write_queue(cursor, keys.storage_key, before, queue)
@@ -332,10 +331,9 @@ class SqliteOperations(DatabaseOperations):
         try:
             now = self.clock()
             cursor.execute(PRUNE_QUEUE, [storage_key, now])
-            queue = _read_queue(cursor, storage_key)
-            before = dict(queue)
-            arrival = max((number for number, _ in queue.values()), default=0) + 1
-            _, position = queue_admits(queue, now, free=False, ticket=ticket, arrival=arrival)
+            _, position, before, queue = _queue_rule(
+                cursor, storage_key, now, free=False, ticket=ticket
+            )
             _write_queue(cursor, storage_key, before, queue)
             cursor.execute("COMMIT")
             return position
@@ -466,6 +464,25 @@ def _read_queue(cursor: Any, storage_key: str) -> Queue:
     """The key's queue rows, as :func:`~django_syncguard.waiting.queue_admits` takes it."""
     cursor.execute(SELECT_QUEUE, [storage_key])
     return {str(ticket): (int(arrival), int(until)) for ticket, arrival, until in cursor.fetchall()}
+
+
+def _queue_rule(
+    cursor: Any,
+    storage_key: str,
+    now: int,
+    *,
+    free: bool,
+    ticket: WaitTicket | None,
+    stored: bool = True,
+) -> tuple[bool, int | None, Queue, Queue]:
+    """Read the key's queue (empty when queues are off: ``stored`` False) and apply
+    the queue rule to it: ``(take, position, the queue as read, as it must be stored)``
+    (see :func:`~django_syncguard.waiting.queue_admits`)."""
+    queue = _read_queue(cursor, storage_key) if stored else {}
+    before = dict(queue)
+    arrival = max((number for number, _ in queue.values()), default=0) + 1
+    take, position = queue_admits(queue, now, free=free, ticket=ticket, arrival=arrival)
+    return take, position, before, queue
 
 
 def _write_queue(cursor: Any, storage_key: str, before: Queue, after: Queue) -> bool:
