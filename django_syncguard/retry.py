@@ -113,10 +113,10 @@ class _Loop:
         attempts = self.attempt
         if attempts > self.policy.max_retries:
             raise self._timeout(f"{attempts} attempts (max_retries={self.policy.max_retries})")
-        remaining = self.policy.timeout_ms - (self.clock() - self.started) * 1000
-        if remaining <= 0:
+        remaining_s = self.remaining_s()
+        if remaining_s <= 0:
             raise self._timeout(f"{self.policy.timeout_ms:g} ms ({attempts} attempts)")
-        return min(self.policy.delay_ms(attempts, self.rng), remaining) / 1000
+        return min(self.policy.delay_ms(attempts, self.rng) / 1000, remaining_s)
 
     def remaining_s(self) -> float:
         return max(self.policy.timeout_ms / 1000 - (self.clock() - self.started), 0.0)
