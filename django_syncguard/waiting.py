@@ -277,7 +277,6 @@ class WaitSession:
         self.listener: Listener | None = None
         self.clock = clock
         self.queued = False  # an attempt with the ticket met contention
-        self.notified = 0
 
     def attempt(self, request: Callable[[WaitTicket | None], AcquireResult]) -> AcquireResult:
         """The next attempt, through ``request(ticket)`` (see the class docstring)."""
@@ -335,10 +334,7 @@ class WaitSession:
         end = self.clock() + self.pause_plan(delay_s, remaining_s, position)
         step = max(delay_s, HEAD_POLL_MS / 1000)  # retry_delay_ms=0 must not spin
         while (left := end - self.clock()) > 0:
-            if listener.wait(min(step, left), cancel):
-                self.notified += 1
-                return
-            if not listener.healthy:
+            if listener.wait(min(step, left), cancel) or not listener.healthy:
                 return
 
     async def apause(
@@ -349,10 +345,7 @@ class WaitSession:
         end = self.clock() + self.pause_plan(delay_s, remaining_s, position)
         step = max(delay_s, HEAD_POLL_MS / 1000)
         while (left := end - self.clock()) > 0:
-            if await listener.await_wake(min(step, left), cancel):
-                self.notified += 1
-                return
-            if not listener.healthy:
+            if await listener.await_wake(min(step, left), cancel) or not listener.healthy:
                 return
 
     def _listening(self) -> Listener:
