@@ -84,6 +84,47 @@ def test_decorating_a_celery_style_bound_task(mem):
     assert charge.__name__ == "charge"
 
 
+WRONG_ORDER = (
+    "locked('invoice:<pk>') is above a Celery task decorator; put it below, so that the "
+    "worker takes the lock each time it runs the task:\n"
+    "    @shared_task(...)\n"
+    "    @locked('invoice:<pk>')\n"
+    "    def your_task(...): ..."
+)
+
+
+@pytest.mark.parametrize("finalized", [False, True], ids=["proxy", "task"])
+def test_locked_above_a_celery_task_fails_when_decorating(finalized):
+    from celery import Celery
+
+    app = Celery("decorator-order", set_as_current=False)
+    if finalized:  # app.task then returns the Task itself, not a lazy proxy
+        app.finalize()
+    with pytest.raises(InvalidArgument) as raised:
+
+        @locked("invoice:<pk>")
+        @app.task(name=f"decorator-order.refused-{finalized}")
+        def pay(pk):
+            raise AssertionError("must not run")
+
+    assert str(raised.value) == WRONG_ORDER
+
+
+def test_locked_below_a_celery_task_keeps_delay_and_takes_the_lock(mem):
+    from celery import Celery
+
+    app = Celery("decorator-order-ok", set_as_current=False)
+
+    @app.task(name="decorator-order.pay")
+    @locked("invoice:<pk>", using=mem.backend)
+    def pay(pk):
+        return current_lock().key
+
+    assert callable(pay.delay) and callable(pay.apply_async)
+    assert pay.name == "decorator-order.pay"
+    assert pay(42) == "invoice:42"  # run in this process, as a worker runs it
+
+
 async def test_decorator_on_async_def(mem):
     @locked("job:<n>", using=mem.backend)
     async def run(n):
