@@ -1,6 +1,7 @@
 # The two commands of the README:
 #   make demo   - set up and run the example project's demo (SQLite, no server needed)
-#   make test   - set up and run the whole test suite (lint, types, every backend)
+#   make test   - set up and run the whole test suite (lint, types, every backend), in
+#                 each cell of the tested matrix (tox.ini, scripts/test-matrix)
 # Both create .venv on first use; nothing is installed outside the project but the
 # system packages the test servers need (scripts/install-test-deps).
 
@@ -8,13 +9,14 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test lint pytest clean
+.PHONY: demo test lint matrix pytest clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
-# The demo needs only the package; the tests need every extra.
+# The demo needs only the package; lint, tox and the quick `make pytest` (this venv's
+# Python and Django only) need every extra.
 $(BIN)/.installed-base: pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install --quiet -e .
 	touch $@
@@ -29,7 +31,11 @@ demo: $(BIN)/.installed-base
 
 test: $(BIN)/.installed
 	bash scripts/install-test-deps
-	$(MAKE) --no-print-directory lint pytest
+	$(MAKE) --no-print-directory lint matrix
+
+# Python 3.11 + Django 5.2 and Python 3.13 + Django 6.1, each in its own tox env.
+matrix: $(BIN)/.installed
+	bash scripts/test-matrix $(PYTEST_ARGS)
 
 lint: $(BIN)/.installed
 	$(BIN)/ruff check .
@@ -40,4 +46,4 @@ pytest: $(BIN)/.installed
 	$(BIN)/pytest $(PYTEST_ARGS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .test-servers
+	rm -rf $(VENV) .tox .pytest_cache .mypy_cache .ruff_cache .test-servers

@@ -361,6 +361,9 @@ def _forked_waiter(wake_ups: Any, key: str, ticket_id: str, reports: Any) -> Non
         reports.put(exc)
 
 
+# Forking while the wake-up reader thread runs is the point of the test; Python 3.12+
+# warns about any fork of a threaded process.
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
 @on_postgres
 def test_a_forked_child_listens_on_its_own_connection_and_leaves_the_parent_s(pg, other):
     parent = pg.wake_ups

@@ -308,6 +308,9 @@ def test_idle_channels_beyond_the_cap_are_unsubscribed(rh, monkeypatch):
         keep.close()
 
 
+# Forking while the wake-up reader thread runs is the point of the test; Python 3.12+
+# warns about any fork of a threaded process.
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
 def test_a_forked_child_gets_a_connection_of_its_own_and_the_parent_keeps_its_own(rh):
     backend = rh.redis
     parent = backend.wake_ups.listen("fork:parent", generate_lock_id())
