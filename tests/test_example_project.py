@@ -206,7 +206,8 @@ def test_the_view_pays_once_and_answers_409_while_the_invoice_is_locked(
     # An unknown invoice: the view raised Http404 inside the transaction, which rolled
     # back; the lock was released all the same (held is False for invoice:999 below).
     assert out["missing"] == 404
-    # The task, called directly (Celery is not installed), has its own key: invoice:2.
+    # The Celery task, called directly (it runs here, locked as in a worker), has its
+    # own key: invoice:2.
     assert out["task"] == [
         {
             "invoice": "INV-0200",

@@ -71,3 +71,15 @@ LOGGING = {
     "handlers": {"console": {"class": "logging.StreamHandler"}},
     "loggers": {"django_syncguard": {"handlers": ["console"], "level": "WARNING"}},
 }
+
+# Celery (only with example_project/requirements-celery.txt installed). A worker that
+# is killed mid-task gets its task delivered again (acks_late + reject_on_worker_lost):
+# the lock keeps the two runs apart, and the fence refuses a stale run's write. The
+# visibility timeout (how long Redis waits for an acknowledgement before delivering a
+# task again) is above the longest payment.
+CELERY_BROKER_URL = os.environ.get("CELERY_BROKER_URL", "redis://127.0.0.1:6379/0")
+CELERY_RESULT_BACKEND = os.environ.get("CELERY_RESULT_BACKEND", CELERY_BROKER_URL)
+CELERY_TASK_ACKS_LATE = True
+CELERY_TASK_REJECT_ON_WORKER_LOST = True
+CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": 3600}
+CELERY_WORKER_PREFETCH_MULTIPLIER = 1

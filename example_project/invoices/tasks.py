@@ -1,37 +1,45 @@
-"""A Celery-style task that pays an invoice, one worker at a time.
+"""The task that pays an invoice, one worker at a time: a Celery task.
 
-With Celery installed, ``pay_invoice`` is a Celery task (``shared_task``), queued
-with ``pay_invoice.delay(invoice_id, worker)``. Celery is not a dependency of this
-example: without it ``pay_invoice`` stays a plain function, called directly
-(``pay_invoice(invoice_id, worker)``; there is no ``.delay``). Either way the lock is
-taken when the task runs, in whichever worker process runs it.
+``pay_invoice.delay(invoice_id, worker)`` queues it; a Celery worker
+(``celery -A example_project worker``, see ``example_project/celery.py``) runs it and
+takes the lock ``invoice:<invoice_id>`` for that run. Celery is the example's optional
+extra (``example_project/requirements-celery.txt``): without it ``pay_invoice`` is the
+same locked function without ``.delay``, which the demo (``make demo``) calls
+directly, as it does with Celery installed (a Celery task called directly runs in
+the caller, under the lock all the same).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
 
 from django_syncguard import locked
 
 from .payments import record_payment
 
+try:
+    from celery import shared_task
+except ImportError:  # the example's Celery extra is not installed: a plain function
+
+    def shared_task(**options: Any) -> Callable[[Callable[..., Any]], Any]:
+        return lambda fn: fn
+
+
 #: A task may queue behind another payment of the same invoice for this long.
 WAIT_MS = 30_000
 
 
-@locked("invoice:<invoice_id>", ttl_ms=30_000, timeout_ms=WAIT_MS)
+# The task decorator on top: every run of the task, in whichever worker, takes the
+# lock (the other order is refused when this module is imported).
+@shared_task(name="invoices.pay_invoice")
+@locked("invoice:<invoice_id>", ttl_ms=30_000, auto_extend=True, timeout_ms=WAIT_MS)
 def pay_invoice(invoice_id: int, worker: str) -> dict[str, str | bool]:
-    """Pay invoice ``invoice_id`` as ``worker``, unless it is already paid.
+    """Pay invoice ``invoice_id`` as ``worker``, unless it is already paid (a task
+    delivered twice finds the work done).
 
     Returns :meth:`~invoices.payments.PaymentResult.as_dict`. Raises
     ``AcquisitionTimeout`` if the invoice stays locked for ``WAIT_MS``, and
     ``StaleFenceError`` if this worker's lease ran out before it wrote.
     """
     return record_payment(invoice_id, worker).as_dict()
-
-
-try:
-    from celery import shared_task
-except ImportError:  # Celery is optional here
-    pass
-else:
-    # Outside the lock: the lock is taken when a worker runs the task, not when queued.
-    pay_invoice = shared_task(name="invoices.pay_invoice")(pay_invoice)
