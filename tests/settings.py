@@ -6,6 +6,8 @@ import os
 import tempfile
 from pathlib import Path
 
+import django
+
 BASE_DIR = Path(__file__).resolve().parent
 SECRET_KEY = "tests-only-not-secret"
 DEBUG = False
@@ -23,7 +25,21 @@ INSTALLED_APPS = [
     "django.contrib.staticfiles",
     "django_syncguard",
     "tests.testapp",
+    # The database task backend's results table (tests/test_django_tasks.py).
+    "django_tasks_db",
 ]
+# Django 6.0+ has the task framework built in (django.tasks); on 5.2 the django_tasks
+# backport provides it, as an app (its system checks) with the same API.
+tasks_package = "django.tasks" if django.VERSION >= (6, 0) else "django_tasks"
+if tasks_package == "django_tasks":
+    INSTALLED_APPS.append("django_tasks")
+
+TASKS = {
+    # Runs each task as it is enqueued, in the caller's thread.
+    "default": {"BACKEND": f"{tasks_package}.backends.immediate.ImmediateBackend"},
+    # Queues tasks in a table that `manage.py db_worker` processes (django-tasks-db).
+    "database": {"BACKEND": "django_tasks_db.DatabaseBackend"},
+}
 
 MIDDLEWARE = [
     "django.contrib.sessions.middleware.SessionMiddleware",
@@ -79,6 +95,10 @@ DATABASES = {
     # A vendor the database backend does not support.
     "unsupported": {"ENGINE": "django.db.backends.dummy"},
 }
+
+# The task queue's table lives on the "postgres" alias, where the workers of
+# tests/test_django_tasks.py take tasks with SELECT ... FOR UPDATE SKIP LOCKED.
+DATABASE_ROUTERS = ["tests.testapp.routers.TaskQueueOnPostgres"]
 
 SYNCGUARD_BACKENDS = {
     "default": {"BACKEND": "django_syncguard.backends.memory.MemoryBackend"},
