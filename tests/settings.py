@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from importlib.util import find_spec
 from pathlib import Path
 
 import django
@@ -25,21 +26,23 @@ INSTALLED_APPS = [
     "django.contrib.staticfiles",
     "django_syncguard",
     "tests.testapp",
-    # The database task backend's results table (tests/test_django_tasks.py).
-    "django_tasks_db",
 ]
-# Django 6.0+ has the task framework built in (django.tasks); on 5.2 the django_tasks
-# backport provides it, as an app (its system checks) with the same API.
-tasks_package = "django.tasks" if django.VERSION >= (6, 0) else "django_tasks"
-if tasks_package == "django_tasks":
-    INSTALLED_APPS.append("django_tasks")
 
+# Django's task framework (tests/test_django_tasks.py): built in since Django 6.0
+# (django.tasks); on 5.2 the django_tasks backport, an app of its own, has the same API.
+tasks_package = "django.tasks" if django.VERSION >= (6, 0) else "django_tasks"
 TASKS = {
     # Runs each task as it is enqueued, in the caller's thread.
     "default": {"BACKEND": f"{tasks_package}.backends.immediate.ImmediateBackend"},
-    # Queues tasks in a table that `manage.py db_worker` processes (django-tasks-db).
-    "database": {"BACKEND": "django_tasks_db.DatabaseBackend"},
 }
+# The backport and django-tasks-db come with the "test" extra; the type check (the
+# "lint" extra) loads these settings without them.
+if find_spec(tasks_package) and find_spec("django_tasks_db"):
+    if tasks_package == "django_tasks":
+        INSTALLED_APPS.append("django_tasks")
+    INSTALLED_APPS.append("django_tasks_db")
+    # Queues tasks in a table that `manage.py db_worker` processes (django-tasks-db).
+    TASKS["database"] = {"BACKEND": "django_tasks_db.DatabaseBackend"}
 
 MIDDLEWARE = [
     "django.contrib.sessions.middleware.SessionMiddleware",
