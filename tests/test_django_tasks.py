@@ -24,6 +24,7 @@ from django.test import override_settings
 
 from django_syncguard import InvalidArgument, hash_key, locked, locks
 from django_syncguard.backends.database import DatabaseBackend
+from django_syncguard.backends.memory import MemoryBackend
 from django_syncguard.signals import lock_contended
 from tests.support.servers import start_or_skip
 from tests.support.task_workers import TaskWorkers
@@ -44,7 +45,7 @@ FIRST_FENCE = "000000000000001"
 
 
 @pytest.fixture
-def memory_locks(request: pytest.FixtureRequest) -> Iterator[Any]:
+def memory_locks(request: pytest.FixtureRequest) -> Iterator[MemoryBackend]:
     """A memory lock backend of this test alone (fences start at 1)."""
     config = {"BACKEND": MEMORY, "LOCATION": f"django-tasks:{request.node.name}"}
     with override_settings(SYNCGUARD_BACKENDS={"default": config}):
@@ -68,8 +69,9 @@ def contended() -> Iterator[dict[str, threading.Event]]:
         lock_contended.disconnect(record)
 
 
-def was_contended(events: dict[str, threading.Event], key: str) -> bool:
-    return events.get(hash_key(key), threading.Event()).is_set()
+def contention_on(events: dict[str, threading.Event], key: str) -> threading.Event:
+    """The event of ``key`` in the ``contended`` fixture's events."""
+    return events.setdefault(hash_key(key), threading.Event())
 
 
 def failure_of(result: TaskResult) -> str:
@@ -98,7 +100,7 @@ def test_skip_while_the_key_is_held_returns_none_without_running(memory_locks, c
 
     assert result.status == TaskResultStatus.SUCCESSFUL, result.errors
     assert result.return_value is None  # the task's body returns a dict
-    assert was_contended(contended, "invoice:8")
+    assert contention_on(contended, "invoice:8").is_set()
     assert memory_locks.lookup(key="invoice:8").fence == held.fence  # still the test's
 
 
@@ -122,7 +124,7 @@ def test_wait_runs_the_task_once_the_holder_releases(memory_locks, contended) ->
     runner = threading.Thread(target=lambda: results.append(hold_invoice.enqueue(10)))
     runner.start()
 
-    assert contended.setdefault(hash_key("invoice:10"), threading.Event()).wait(30)
+    assert contention_on(contended, "invoice:10").wait(30)
     assert results == []  # still waiting: the test holds the key
     memory_locks.release(held.lock_id)
     runner.join(30)
@@ -155,7 +157,7 @@ def errors_of(results: list[TaskResult]) -> list[str]:
 
 
 @pytest.fixture
-def task_workers(request: pytest.FixtureRequest) -> Iterator[TaskWorkers]:
+def task_workers() -> Iterator[TaskWorkers]:
     """Two ``db_worker`` processes on the test database; their logs are printed at
     teardown, which pytest shows when the test failed."""
     settings_dict = connections["postgres"].settings_dict
