@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import os
 import tempfile
+from importlib.util import find_spec
 from pathlib import Path
+
+import django
 
 BASE_DIR = Path(__file__).resolve().parent
 SECRET_KEY = "tests-only-not-secret"
@@ -24,6 +27,22 @@ INSTALLED_APPS = [
     "django_syncguard",
     "tests.testapp",
 ]
+
+# Django's task framework (tests/test_django_tasks.py): built in since Django 6.0
+# (django.tasks); on 5.2 the django_tasks backport, an app of its own, has the same API.
+tasks_package = "django.tasks" if django.VERSION >= (6, 0) else "django_tasks"
+TASKS = {
+    # Runs each task as it is enqueued, in the caller's thread.
+    "default": {"BACKEND": f"{tasks_package}.backends.immediate.ImmediateBackend"},
+}
+# The backport and django-tasks-db come with the "test" extra; the type check (the
+# "lint" extra) loads these settings without them.
+if find_spec(tasks_package) and find_spec("django_tasks_db"):
+    if tasks_package == "django_tasks":
+        INSTALLED_APPS.append("django_tasks")
+    INSTALLED_APPS.append("django_tasks_db")
+    # Queues tasks in a table that `manage.py db_worker` processes (django-tasks-db).
+    TASKS["database"] = {"BACKEND": "django_tasks_db.DatabaseBackend"}
 
 MIDDLEWARE = [
     "django.contrib.sessions.middleware.SessionMiddleware",
@@ -79,6 +98,10 @@ DATABASES = {
     # A vendor the database backend does not support.
     "unsupported": {"ENGINE": "django.db.backends.dummy"},
 }
+
+# The task queue's table lives on the "postgres" alias, where the workers of
+# tests/test_django_tasks.py take tasks with SELECT ... FOR UPDATE SKIP LOCKED.
+DATABASE_ROUTERS = ["tests.testapp.routers.TaskQueueOnPostgres"]
 
 SYNCGUARD_BACKENDS = {
     "default": {"BACKEND": "django_syncguard.backends.memory.MemoryBackend"},
