@@ -56,9 +56,9 @@ class locked:  # noqa: N801 - used like a function, as contextlib's helpers are
 
     # ------------------------------------------------------------- decorator
     def __call__(self, fn: F) -> F:
+        _refuse_task_object(fn, self)  # first: a Django Task is not even callable
         if not callable(fn):
             raise InvalidArgument(f"locked(...) decorates a callable, not {fn!r}.")
-        _refuse_task_object(fn, self)
         signature = inspect.signature(fn)
         self.template.check_against(fn, signature)
         register_locked(fn, self.spec)  # for the system checks (syncguard.E006, W003)

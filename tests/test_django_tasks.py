@@ -141,8 +141,16 @@ def test_wait_runs_the_task_once_the_holder_releases(memory_locks, contended) ->
 def test_locked_over_a_task_object_is_refused() -> None:
     """The order that cannot work (the lock would be taken at enqueue time, and the
     task framework needs its ``Task``): refused when the decorator is applied."""
-    with pytest.raises(InvalidArgument):
+    with pytest.raises(InvalidArgument) as raised:
         locked("invoice:<pk>")(hold_invoice)
+
+    assert str(raised.value) == (
+        "locked('invoice:<pk>') is above a Django task decorator; put it below, so that "
+        "the worker takes the lock each time it runs the task:\n"
+        "    @task(...)\n"
+        "    @locked('invoice:<pk>')\n"
+        "    def your_task(...): ..."
+    )
 
 
 # -- real worker processes ----------------------------------------------------------
