@@ -22,6 +22,7 @@ from django.conf import settings
 from django.db import connections
 
 from django_syncguard.backends.base import BaseLockBackend
+from tests.support.celery_worker import CeleryWorker
 from tests.support.harness import (
     HARNESS_DATABASES,
     HARNESS_SERVERS,
@@ -148,6 +149,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         alias = HARNESS_DATABASES.get(callspec.params.get("harness")) if callspec else None
         if alias and item.get_closest_marker("django_db") is None:
             item.add_marker(pytest.mark.django_db(transaction=True, databases=[alias]))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """A failed test that used a Celery worker shows the end of the worker's log."""
+    outcome = yield
+    report = outcome.get_result()  # type: ignore[attr-defined]
+    if report.failed:
+        for name, value in getattr(item, "funcargs", {}).items():
+            if isinstance(value, CeleryWorker):
+                report.sections.append((f"celery worker log: {name} (tail)", value.log_tail()))
 
 
 @pytest.fixture(params=sorted(HARNESSES))
