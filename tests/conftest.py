@@ -157,9 +157,11 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     outcome = yield
     report = outcome.get_result()  # type: ignore[attr-defined]
     if report.failed:
-        for name, value in getattr(item, "funcargs", {}).items():
-            if isinstance(value, CeleryWorker):
-                report.sections.append((f"celery worker log: {name} (tail)", value.log_tail()))
+        values = getattr(item, "funcargs", {}).values()
+        # A fixture may hand on another's worker: each log once.
+        workers = {id(v): v for v in values if isinstance(v, CeleryWorker)}
+        for worker in workers.values():
+            report.sections.append((f"celery worker {worker.node}: log (tail)", worker.log_tail()))
 
 
 @pytest.fixture(params=sorted(HARNESSES))

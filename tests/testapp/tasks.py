@@ -40,6 +40,8 @@ DB = "postgres"
 GATE_TIMEOUT_S = 60
 #: Lock waits of the tasks that wait: long enough for any test's contention.
 WAIT = {"timeout_ms": 60_000, "max_retries": 10_000}
+#: ``hold_until_gate``'s TTL: short, a test waits for it to run out.
+HOLD_TTL_MS = 1500
 
 
 # ----------------------------------------------------------------- the journal
@@ -132,7 +134,7 @@ def pay_invoice(pk: int) -> str:
 
 
 @shared_task
-@locked("held:<key>", using=LOCK_ALIAS, ttl_ms=1500, auto_extend=True, **WAIT)
+@locked("held:<key>", using=LOCK_ALIAS, ttl_ms=HOLD_TTL_MS, auto_extend=True, **WAIT)
 def hold_until_gate(key: str, gate: str) -> str:
     """Hold ``key`` (its lease renewed while the run lives) until ``gate`` opens."""
     record("held", held_fence())
