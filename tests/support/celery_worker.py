@@ -104,6 +104,7 @@ class CeleryWorker(InTempRoot):
     root: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="syncguard-celery-")))
     process: subprocess.Popen[bytes] | None = None
     _client: Any = field(default=None, init=False, repr=False)
+    _previous_app: Any = field(default=None, init=False, repr=False)
     log_name = "worker.log"
     tail_chars = 6000  # a task's traceback and what led to it
 
@@ -138,9 +139,10 @@ class CeleryWorker(InTempRoot):
         An app of its own, configured as the worker's: an app caches its broker
         connections, so one app re-configured for the next worker would still send
         to the last one's keys."""
-        from celery import Celery
+        from celery import Celery, current_app
 
         if self._client is None:
+            self._previous_app = current_app._get_current_object()
             self._client = Celery("syncguard_tests")
             self._client.conf.update(self.conf)
         self._client.set_current()
@@ -206,3 +208,4 @@ class CeleryWorker(InTempRoot):
         if self._client is not None:
             self._client.close()  # its broker connections
             self._client = None
+            self._previous_app.set_current()  # as it was for the tests after this one
