@@ -22,6 +22,7 @@ from django.conf import settings
 from django.db import connections
 
 from django_syncguard.backends.base import BaseLockBackend
+from tests.support.celery_worker import CeleryWorker
 from tests.support.harness import (
     HARNESS_DATABASES,
     HARNESS_SERVERS,
@@ -148,6 +149,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         alias = HARNESS_DATABASES.get(callspec.params.get("harness")) if callspec else None
         if alias and item.get_closest_marker("django_db") is None:
             item.add_marker(pytest.mark.django_db(transaction=True, databases=[alias]))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """A failed test that used a Celery worker shows the end of the worker's log."""
+    outcome = yield
+    report = outcome.get_result()  # type: ignore[attr-defined]
+    if report.failed:
+        values = getattr(item, "funcargs", {}).values()
+        # A fixture may hand on another's worker: each log once.
+        workers = {id(v): v for v in values if isinstance(v, CeleryWorker)}
+        for worker in workers.values():
+            report.sections.append((f"celery worker {worker.node}: log (tail)", worker.log_tail()))
 
 
 @pytest.fixture(params=sorted(HARNESSES))

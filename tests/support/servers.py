@@ -204,6 +204,8 @@ class InTempRoot:
 
     root: Path
     log_name: ClassVar[str]
+    #: How much of the log's end ``log_tail`` shows.
+    tail_chars: ClassVar[int] = 2000
 
     def stop(self) -> None:
         raise NotImplementedError
@@ -214,7 +216,7 @@ class InTempRoot:
 
     def log_tail(self) -> str:
         try:
-            return (self.root / self.log_name).read_text(errors="replace")[-2000:]
+            return (self.root / self.log_name).read_text(errors="replace")[-self.tail_chars :]
         except OSError:
             return "(no log)"
 
