@@ -22,7 +22,6 @@ from django.conf import settings
 from django.db import connections
 
 from django_syncguard.backends.base import BaseLockBackend
-from tests.support.celery_worker import CeleryWorker
 from tests.support.harness import (
     HARNESS_DATABASES,
     HARNESS_SERVERS,
@@ -34,6 +33,7 @@ from tests.support.harness import (
 from tests.support.processes import Children
 from tests.support.servers import (
     FirestoreEmulator,
+    InTempRoot,
     PgBouncerServer,
     PostgresServer,
     RedisServer,
@@ -153,15 +153,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
-    """A failed test that used a Celery worker shows the end of the worker's log."""
+    """A failed test shows the end of the output of each process it used that the
+    harness started (Celery and django-tasks workers, servers): their stdout and
+    stderr go to a log file, read here before the fixtures remove it."""
     outcome = yield
     report = outcome.get_result()  # type: ignore[attr-defined]
     if report.failed:
         values = getattr(item, "funcargs", {}).values()
-        # A fixture may hand on another's worker: each log once.
-        workers = {id(v): v for v in values if isinstance(v, CeleryWorker)}
-        for worker in workers.values():
-            report.sections.append((f"celery worker {worker.node}: log (tail)", worker.log_tail()))
+        # A fixture may hand on another's process: each log once.
+        started = {id(v): v for v in values if isinstance(v, InTempRoot)}
+        for process in started.values():
+            name = getattr(process, "node", type(process).__name__)
+            report.sections.append((f"{name}: log (tail)", process.log_tail()))
 
 
 @pytest.fixture(params=sorted(HARNESSES))

@@ -166,8 +166,8 @@ def errors_of(results: list[TaskResult]) -> list[str]:
 
 @pytest.fixture
 def task_workers() -> Iterator[TaskWorkers]:
-    """Two ``db_worker`` processes on the test database; their logs are printed at
-    teardown, which pytest shows when the test failed."""
+    """Two ``db_worker`` processes on the test database (a failed test shows their
+    logs: tests/conftest.py)."""
     settings_dict = connections["postgres"].settings_dict
     database = {name: settings_dict[name] for name in ("ENGINE", "NAME", "USER", "HOST", "PORT")}
     workers = TaskWorkers(count=2, database=database)
@@ -175,8 +175,6 @@ def task_workers() -> Iterator[TaskWorkers]:
     try:
         yield workers
     finally:
-        workers.stop()
-        print(f"django-tasks-db worker logs:{workers.log_tail()}")
         workers.destroy()
 
 
