@@ -7,15 +7,21 @@ database file (``EXAMPLE_DB_PATH``): fences start at 1 and the output is exact.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sqlite3
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
+
+from tests.support.celery_worker import CeleryWorker, redis_url
+from tests.support.servers import start_or_skip
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "example_project"
 
@@ -237,3 +243,86 @@ def test_the_view_pays_once_and_answers_409_while_the_invoice_is_locked(
     # no check message, nothing silenced.
     assert out["silenced"] == []
     assert out["checks"] == []
+
+
+# -- the example's Celery task, run by a real worker --------------------------------
+
+#: redis-server databases of the example's broker and results (the other Celery tests
+#: use 1 and 2).
+EXAMPLE_BROKER_DB, EXAMPLE_RESULT_DB = 3, 4
+
+
+@dataclass
+class ExampleWorker(CeleryWorker):
+    """``celery -A example_project worker`` (prefork, two processes) started in
+    ``example_project/`` as its README says, on the example's SQLite file."""
+
+    example_db: str = ""
+    app_module = "example_project"
+    cwd = EXAMPLE
+
+    @property
+    def conf(self) -> dict[str, Any]:
+        return {
+            "broker_url": redis_url(self.redis_port, EXAMPLE_BROKER_DB),
+            "result_backend": redis_url(self.redis_port, EXAMPLE_RESULT_DB),
+        }
+
+    def env(self) -> dict[str, str]:
+        """The example's own settings, told where its database and broker are."""
+        env = {
+            **os.environ,
+            "EXAMPLE_DB_PATH": self.example_db,
+            "CELERY_BROKER_URL": self.conf["broker_url"],
+            "CELERY_RESULT_BACKEND": self.conf["result_backend"],
+        }
+        env.pop("DJANGO_SETTINGS_MODULE", None)
+        return env
+
+
+@pytest.fixture
+def example_worker(example: tuple[Run, Path], redis_server: Any) -> Iterator[ExampleWorker]:
+    _, database = example
+    # postgres_port and database: the test app's worker settings, unused here.
+    worker = ExampleWorker(
+        redis_port=redis_server.port, postgres_port=0, database="", example_db=str(database)
+    )
+    start_or_skip(worker, "the example's celery worker")
+    try:
+        yield worker
+    finally:
+        worker.destroy()
+
+
+@pytest.mark.slow
+def test_the_example_task_queued_four_times_pays_once(
+    example: tuple[Run, Path], example_worker: ExampleWorker
+) -> None:
+    """``pay_invoice.delay`` four times at once: the worker's two processes run the
+    four tasks, one at a time on invoice:<pk>, and only the first pays."""
+    run, database = example
+    pk = int(
+        run(
+            "manage.py",
+            "shell",
+            "--verbosity",
+            "0",
+            "-c",
+            "from invoices.models import Invoice; "
+            "print(Invoice.objects.create(number='INV-0300', amount_cents=9_900).pk)",
+        )
+    )
+    app = example_worker.client()
+
+    queued = [app.send_task("invoices.pay_invoice", args=[pk, f"task-{i}"]) for i in range(1, 5)]
+    results = [r.get(timeout=60) for r in queued]
+
+    by_fence = sorted(results, key=lambda r: r["fence"])
+    first = by_fence[0]["worker"]
+    assert [r["fence"] for r in by_fence] == [f"{n:015d}" for n in range(1, 5)]
+    assert [r["paid"] for r in by_fence] == [True, False, False, False]
+    assert {r["paid_by"] for r in results} == {first}
+    assert sorted(r["worker"] for r in results) == ["task-1", "task-2", "task-3", "task-4"]
+    with contextlib.closing(sqlite3.connect(database)) as db:
+        payments = db.execute("SELECT worker, fence FROM invoices_payment").fetchall()
+    assert payments == [(first, "000000000000001")]

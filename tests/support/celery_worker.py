@@ -24,7 +24,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from tests.support.servers import InTempRoot, ServerUnavailable
 
@@ -107,6 +107,9 @@ class CeleryWorker(InTempRoot):
     _previous_app: Any = field(default=None, init=False, repr=False)
     log_name = "worker.log"
     tail_chars = 6000  # a task's traceback and what led to it
+    #: The ``-A`` of ``celery worker``, and the directory it is started in.
+    app_module: ClassVar[str] = "tests.celery_app"
+    cwd: ClassVar[Path] = REPO_ROOT
 
     @property
     def node(self) -> str:
@@ -154,7 +157,7 @@ class CeleryWorker(InTempRoot):
             "-m",
             "celery",
             "-A",
-            "tests.celery_app",
+            self.app_module,
             "worker",
             "--pool=prefork",
             "--concurrency=2",
@@ -168,7 +171,7 @@ class CeleryWorker(InTempRoot):
         log = (self.root / self.log_name).open("wb")
         self.process = subprocess.Popen(
             argv,
-            cwd=REPO_ROOT,
+            cwd=self.cwd,
             env=self.env(),
             stdout=log,
             stderr=subprocess.STDOUT,
