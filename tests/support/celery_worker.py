@@ -14,9 +14,6 @@ its broker keys, so a worker started after another never sees the other's messag
 
 from __future__ import annotations
 
-import contextlib
-import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -26,7 +23,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from tests.support.servers import InTempRoot, ServerUnavailable
+from tests.support.servers import (
+    REPO_ROOT,
+    InTempRoot,
+    ServerUnavailable,
+    child_env,
+    terminate,
+    wait_until_started,
+)
 
 #: The alias of ``SYNCGUARD_BACKENDS`` the tasks of ``tests/testapp/tasks.py`` lock on.
 LOCK_ALIAS = "tasks"
@@ -36,7 +40,6 @@ LOCK_PREFIX = "sgcelery"
 BROKER_DB, RESULT_DB = 1, 2
 #: The worker's Django settings module.
 SETTINGS_MODULE = "tests.celery_settings"
-REPO_ROOT = Path(__file__).resolve().parents[2]
 
 # The environment variables tests/celery_settings.py reads.
 ENV_REDIS_PORT = "SYNCGUARD_CELERY_REDIS_PORT"
@@ -123,9 +126,6 @@ class CeleryWorker(InTempRoot):
         """The worker's environment: this one, plus where its settings find the servers."""
         extra = {
             "DJANGO_SETTINGS_MODULE": SETTINGS_MODULE,
-            "PYTHONPATH": os.pathsep.join(
-                filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])
-            ),
             ENV_REDIS_PORT: str(self.redis_port),
             ENV_PG_PORT: str(self.postgres_port),
             ENV_PG_NAME: self.database,
@@ -133,7 +133,7 @@ class CeleryWorker(InTempRoot):
         }
         if self.visibility_timeout_s is not None:
             extra[ENV_VISIBILITY] = str(self.visibility_timeout_s)
-        return {**os.environ, **extra}
+        return child_env(**extra)
 
     def client(self) -> Any:
         """The test process's Celery app for this worker, made the current app:
@@ -184,29 +184,24 @@ class CeleryWorker(InTempRoot):
     def _wait_ready(self, timeout_s: float) -> None:
         """Until the worker answers a ping (its pool is up and it consumes)."""
         app = self.client()
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            assert self.process is not None
-            if self.process.poll() is not None:
-                raise ServerUnavailable(f"celery worker exited: {self.log_tail()}")
-            if app.control.ping(destination=[self.node], timeout=0.5):
-                return
-        self.stop()
-        raise ServerUnavailable(f"celery worker not ready in {timeout_s} s: {self.log_tail()}")
+        assert self.process is not None
+        try:
+            wait_until_started(
+                self.process,
+                lambda: bool(app.control.ping(destination=[self.node], timeout=0.5)),
+                time.monotonic() + timeout_s,
+                f"celery worker {self.node}",
+                self.log_tail,
+            )
+        except ServerUnavailable:
+            self.stop()
+            raise
 
     def stop(self) -> None:
         """SIGTERM (a warm shutdown: running tasks finish), then SIGKILL the group."""
         if self.process is None:
             return
-        self.process.terminate()
-        try:
-            self.process.wait(15)
-        except subprocess.TimeoutExpired:
-            # The parent still runs, so its group ID is still its own: kill the group
-            # (the children too, one stuck in a task for instance).
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait(10)
+        terminate(self.process, group=True)
         self.process = None
         if self._client is not None:
             self._client.close()  # its broker connections

@@ -21,10 +21,13 @@ import subprocess
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
+#: The checkout's root: ``tests`` and ``django_syncguard`` import from here.
+REPO_ROOT = Path(__file__).resolve().parents[2]
 PG_BIN = Path(os.environ.get("SYNCGUARD_PG_BIN", "/usr/lib/postgresql/15/bin"))
 #: Whether a server that cannot start fails the tests that need it (else: a skip).
 IN_CI = bool(os.environ.get("CI"))
@@ -51,15 +54,47 @@ def wait_for_port(port: int, timeout_s: float) -> None:
     raise ServerUnavailable(f"nothing listens on 127.0.0.1:{port} after {timeout_s} s")
 
 
-def terminate(process: subprocess.Popen[bytes] | None) -> None:
-    """SIGTERM a server we started (by its PID), SIGKILL it if it lingers."""
+def terminate(process: subprocess.Popen[bytes] | None, *, group: bool = False) -> None:
+    """SIGTERM a process we started (by its PID), SIGKILL it if it lingers. ``group``:
+    it leads a process group of its own (``start_new_session``), whose members (a
+    worker's pool, one stuck in a task for instance) are SIGKILLed with it."""
     if process is not None and process.poll() is None:
         process.terminate()
         try:
             process.wait(20)
         except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(5)
+            if group:  # the leader still runs, so the group ID is still its PID
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, signal.SIGKILL)
+                process.wait(10)
+            else:
+                process.kill()
+                process.wait(5)
+
+
+def wait_until_started(
+    process: subprocess.Popen[bytes],
+    ready: Callable[[], bool],
+    deadline: float,
+    what: str,
+    log_tail: Callable[[], str],
+) -> None:
+    """Poll ``ready()`` until it is true. ``process`` exiting first, or the
+    ``time.monotonic()`` ``deadline`` passing, is ``ServerUnavailable`` with the end of
+    its log (a skip, a failure in CI)."""
+    while not ready():
+        if process.poll() is not None:
+            raise ServerUnavailable(f"{what} exited ({process.returncode}): {log_tail()}")
+        if time.monotonic() > deadline:
+            raise ServerUnavailable(f"{what} not ready in time: {log_tail()}")
+        time.sleep(0.05)
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """The environment of a Python child process that must import this checkout's
+    packages (``tests``, ``django_syncguard``) before any installed copy."""
+    path = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path, **extra}
 
 
 def unprivileged_user() -> str | None:
@@ -384,17 +419,20 @@ class FirestoreEmulator(InTempRoot):
             start_new_session=True,
             env={**os.environ, "CLOUDSDK_CORE_DISABLE_PROMPTS": "1"},
         )
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise ServerUnavailable(f"Firestore emulator exited: {self.log_tail()}")
-            if "Dev App Server is now running" in self.log_tail():
-                wait_for_port(self.port, 10)
-                atexit.register(self.stop)
-                return self
-            time.sleep(0.2)
-        self.stop()
-        raise ServerUnavailable(f"Firestore emulator not ready in {timeout_s} s: {self.log_tail()}")
+        try:
+            wait_until_started(
+                self.process,
+                lambda: "Dev App Server is now running" in self.log_tail(),
+                time.monotonic() + timeout_s,
+                "Firestore emulator",
+                self.log_tail,
+            )
+        except ServerUnavailable:
+            self.stop()
+            raise
+        wait_for_port(self.port, 10)
+        atexit.register(self.stop)
+        return self
 
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:

@@ -8,8 +8,8 @@ log file (stdout and stderr); they run the tasks queued on the ``database`` alia
 from __future__ import annotations
 
 import atexit
+import functools
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -18,9 +18,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tests.support.servers import InTempRoot, ServerUnavailable, terminate
+from tests.support.servers import (
+    REPO_ROOT,
+    InTempRoot,
+    child_env,
+    terminate,
+    wait_until_started,
+)
 
-REPO = Path(__file__).resolve().parents[2]
 #: What ``db_worker`` logs once it polls the queue.
 READY_LINE = "Starting worker"
 
@@ -46,32 +51,25 @@ class TaskWorkers(InTempRoot):
         self.processes = [self._spawn(name) for name in self.names]
         deadline = time.monotonic() + timeout_s
         for name, process in zip(self.names, self.processes, strict=True):
-            self._wait_ready(name, process, deadline)
+            polling = functools.partial(self._logged, name, READY_LINE)
+            wait_until_started(process, polling, deadline, name, self.log_tail)
         return self
 
-    def _wait_ready(self, name: str, process: subprocess.Popen[bytes], deadline: float) -> None:
-        """Wait until worker ``name`` polls the queue; it exiting or the deadline
-        passing first is a ``ServerUnavailable`` (a skip, a failure in CI)."""
-        while READY_LINE not in self._log(name):
-            if process.poll() is not None:
-                raise ServerUnavailable(f"{name} exited ({process.returncode}):{self.log_tail()}")
-            if time.monotonic() > deadline:
-                raise ServerUnavailable(f"{name} is not polling the queue:{self.log_tail()}")
-            time.sleep(0.05)
+    def _logged(self, name: str, line: str) -> bool:
+        return line in self._log(name)
 
     def _spawn(self, name: str) -> subprocess.Popen[bytes]:
-        env = {
-            **os.environ,
-            "DJANGO_SETTINGS_MODULE": "tests.support.task_worker_settings",
-            "SYNCGUARD_WORKER_DATABASE": json.dumps(self.database),
-            # This checkout's packages (tests, django_syncguard) before any installed copy.
-            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-            "PYTHONUNBUFFERED": "1",  # the log file is current when a test fails
-        }
+        env = child_env(
+            DJANGO_SETTINGS_MODULE="tests.support.task_worker_settings",
+            SYNCGUARD_WORKER_DATABASE=json.dumps(self.database),
+            PYTHONUNBUFFERED="1",  # the log file is current when a test fails
+        )
         argv = [sys.executable, "-m", "django", "db_worker", "--backend", "database"]
         argv += ["--worker-id", name, "--interval", "0.05", "--no-startup-delay", "--no-reload"]
         with (self.root / f"{name}.log").open("wb") as log:
-            return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+            return subprocess.Popen(
+                argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT
+            )
 
     def _log(self, name: str) -> str:
         try:
