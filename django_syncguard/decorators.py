@@ -130,39 +130,30 @@ class locked:  # noqa: N801 - used like a function, as contextlib's helpers are
         await cast(AbstractAsyncContextManager[Lease], manager).__aexit__(exc_type, exc, tb)
 
 
-#: Task classes by module, as (module, class name): a task decorator's product. Looked
-#: up in ``sys.modules`` only: a framework nobody imported cannot have made ``fn``.
+#: Task classes, as (module, class name, framework, its task decorator): what a task
+#: decorator returns. Looked up in ``sys.modules`` only: a framework nobody imported
+#: cannot have made ``fn``.
 _TASK_CLASSES = (
-    ("celery.local", "Proxy"),  # shared_task / app.task before the app is finalized
-    ("celery.app.task", "Task"),
-    ("django.tasks.base", "Task"),  # Django 6's task framework
-    ("django_tasks.base", "Task"),  # its backport, django-tasks
+    ("celery.local", "Proxy", "Celery", "shared_task"),  # before the app is finalized
+    ("celery.app.task", "Task", "Celery", "shared_task"),
+    ("django.tasks.base", "Task", "Django", "task"),  # Django 6's task framework
+    ("django_tasks.base", "Task", "Django", "task"),  # its backport, django-tasks
 )
-
-
-def _task_class(fn: object) -> type | None:
-    """The task class ``fn`` is an instance of, if a task framework made it. Checked
-    on ``type(fn)``: a Celery proxy would evaluate itself when asked its ``__class__``."""
-    for module_name, class_name in _TASK_CLASSES:
-        module = sys.modules.get(module_name)
-        cls = getattr(module, class_name, None)
-        if isinstance(cls, type) and issubclass(type(fn), cls):
-            return cls
-    return None
 
 
 def _refuse_task_object(fn: object, decorator: locked) -> None:
     """``@locked`` above ``@shared_task`` / ``@task`` would wrap the task object in a
     plain function: ``.delay()`` / ``.enqueue()`` would be gone, and the worker would
-    run the task without the lock. Say so, with the right order, when decorating."""
-    cls = _task_class(fn)
-    if cls is None:
-        return
-    framework = "Celery" if cls.__module__.startswith("celery") else "Django"
-    raise InvalidArgument(
-        f"{decorator!r} is above a {framework} task decorator; put it below, so that the "
-        "worker takes the lock each time it runs the task:\n"
-        f"    @{'shared_task' if framework == 'Celery' else 'task'}(...)\n"
-        f"    @{decorator!r}\n"
-        "    def your_task(...): ..."
-    )
+    run the task without the lock. Say so, with the right order, when decorating.
+    Checked on ``type(fn)``: a Celery proxy would evaluate itself when asked its
+    ``__class__``."""
+    for module_name, class_name, framework, task_decorator in _TASK_CLASSES:
+        cls = getattr(sys.modules.get(module_name), class_name, None)
+        if isinstance(cls, type) and issubclass(type(fn), cls):
+            raise InvalidArgument(
+                f"{decorator!r} is above a {framework} task decorator; put it below, so "
+                "that the worker takes the lock each time it runs the task:\n"
+                f"    @{task_decorator}(...)\n"
+                f"    @{decorator!r}\n"
+                "    def your_task(...): ..."
+            )
