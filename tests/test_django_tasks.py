@@ -14,7 +14,6 @@ Two ways a task runs here:
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -26,6 +25,7 @@ from django_syncguard import InvalidArgument, hash_key, locked, locks
 from django_syncguard.backends.database import DatabaseBackend
 from django_syncguard.backends.memory import MemoryBackend
 from django_syncguard.signals import lock_contended
+from tests.support.faults import wait_until
 from tests.support.servers import start_or_skip
 from tests.support.task_workers import TaskWorkers
 from tests.testapp.models import Account, Ledger
@@ -178,21 +178,22 @@ def task_workers() -> Iterator[TaskWorkers]:
         workers.destroy()
 
 
-def refreshed_until(
-    result: TaskResult, workers: TaskWorkers, condition: Callable[[TaskResult], bool]
-) -> TaskResult:
-    """``result`` once ``condition`` holds for it (polling the queue's table)."""
-    deadline = time.monotonic() + 120
-    while not condition(result):
-        assert time.monotonic() < deadline, f"task still {result.status}:{workers.log_tail()}"
-        time.sleep(0.05)
+def refreshed_until(result: TaskResult, condition: Callable[[TaskResult], bool]) -> TaskResult:
+    """``result`` once ``condition`` holds for it (polling the queue's table; a failed
+    test shows the workers' logs)."""
+
+    def holds() -> bool:
         result.refresh()
+        return condition(result)
+
+    if not condition(result):
+        wait_until(holds, 120, f"task {result.id} got there")
     return result
 
 
-def finished(result: TaskResult, workers: TaskWorkers) -> TaskResult:
+def finished(result: TaskResult) -> TaskResult:
     """``result`` once a worker has finished its task."""
-    return refreshed_until(result, workers, lambda r: r.is_finished)
+    return refreshed_until(result, lambda r: r.is_finished)
 
 
 @pytest.fixture
@@ -212,7 +213,7 @@ def test_worker_runs_never_overlap_and_pay_once_in_fence_order(task_workers, pg_
     Account.objects.using("postgres").create(name="invoice:21")
     queued = [pay_invoice.enqueue(21) for _ in range(6)]
 
-    results = [finished(result, task_workers) for result in queued]
+    results = [finished(result) for result in queued]
 
     assert errors_of(results) == [], task_workers.log_tail()
     # Hold order: the ledger rows, appended under the lock, numbered as written.
@@ -235,12 +236,12 @@ def test_worker_runs_never_overlap_and_pay_once_in_fence_order(task_workers, pg_
 def test_worker_skips_refuses_or_waits_while_the_key_is_held(task_workers, pg_locks) -> None:
     held = pg_locks.acquire("invoice:22", 120_000)
 
-    skipped = finished(refresh_invoice.using(backend="database").enqueue(22), task_workers)
-    refused = finished(charge_or_refuse.using(backend="database").enqueue(22), task_workers)
+    skipped = finished(refresh_invoice.using(backend="database").enqueue(22))
+    refused = finished(charge_or_refuse.using(backend="database").enqueue(22))
     waiting = hold_invoice.using(backend="database").enqueue(22)
-    refreshed_until(waiting, task_workers, lambda r: r.status != TaskResultStatus.READY)
+    refreshed_until(waiting, lambda r: r.status != TaskResultStatus.READY)
     pg_locks.release(held.lock_id)  # a worker runs it: it is waiting for the lock
-    waited = finished(waiting, task_workers)
+    waited = finished(waiting)
 
     assert errors_of([skipped, waited]) == [], task_workers.log_tail()
     assert skipped.return_value is None  # the task's body returns a dict
