@@ -1291,23 +1291,18 @@ def write_report(
     load_start: str,
     load_end: str,
 ) -> str:
-    from bench.report import client_versions, machine_rows
+    from bench.report import machine_rows
 
-    versions = client_versions()
     out = [
         "# Contention: fair, notified waiting (issue 14)",
         "",
         f"`{args.command}`, started {started:%Y-%m-%d %H:%M} UTC, took {took / 60:.1f} min; "
         f"{args.seconds:g} s per cell.",
         "",
-        *machine_rows(),
-    ]
-    for section in sections:
-        if section.server:
-            out.append(f"| {TITLES[section.name]} | {section.server} |")
-    out += [
-        f"| client libraries | {versions} |",
-        f"| machine load | at the start: {load_start}; at the end: {load_end} |",
+        *machine_rows(
+            [(TITLES[section.name], section.server) for section in sections],
+            f"at the start: {load_start}; at the end: {load_end}",
+        ),
         "",
         "## How it was measured",
         "",

@@ -213,8 +213,9 @@ def client_versions() -> str:
     )
 
 
-def machine_rows() -> list[str]:
-    """The head of a report's machine table: CPU, RAM, OS and Python."""
+def machine_rows(servers: list[tuple[str, str]], load: str) -> list[str]:
+    """A report's machine table: CPU, RAM, OS and Python, then each ``(title, server)``,
+    the client libraries, and the machine ``load``."""
     return [
         "| machine | |",
         "|---|---|",
@@ -222,6 +223,9 @@ def machine_rows() -> list[str]:
         f"| RAM | {ram()} |",
         f"| OS | {os_name()} |",
         f"| Python | {platform.python_implementation()} {platform.python_version()} |",
+        *(f"| {title} | {server} |" for title, server in servers if server),
+        f"| client libraries | {client_versions()} |",
+        f"| machine load | {load} |",
     ]
 
 
@@ -433,7 +437,6 @@ def write_markdown(
     load_start: str,
     load_end: str,
 ) -> None:
-    versions = client_versions()
     command = (
         f"`.venv/bin/python bench/report.py --seconds {args.seconds:g} --rounds {args.rounds} "
         f"--backends {','.join(s.name for s in sections)} --memory-locks {args.memory_locks}`"
@@ -444,15 +447,10 @@ def write_markdown(
         f"Every backend against its peers, side by side on one server per backend; {command}, "
         f"started {started:%Y-%m-%d %H:%M} UTC, took {took / 60:.1f} min.",
         "",
-        *machine_rows(),
-    ]
-    for section in sections:
-        if section.server:
-            out.append(f"| {section.title} | {section.server} |")
-    out += [
-        f"| client libraries | {versions} |",
-        f"| machine load | at the start: {load_start}; at the end: {load_end}; "
-        "before each backend: below |",
+        *machine_rows(
+            [(section.title, section.server) for section in sections],
+            f"at the start: {load_start}; at the end: {load_end}; before each backend: below",
+        ),
         "",
         "This is a 2-core virtual machine whose neighbours' load varies, so absolute "
         "figures are noisy from run to run. The load figures above are sampled while "
