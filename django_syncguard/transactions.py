@@ -20,6 +20,17 @@ each of those transactions and runs when the last of them ends, whichever way:
 A hook runs once whichever way the transaction ends: the commit path calls the
 finalizer itself, which disarms it.
 
+Neither path may be the only one. Django runs commit hooks in order and stops at the
+first that raises (``robust=False``, its default): ours, later in the list, then never
+runs, and the list Django was running stays alive as long as the exception's
+traceback does (an error tracker, a task result). A rollback frees our hook only when
+nothing else holds the dropped list, and only at once under reference counting. So a
+:class:`_Watcher` thread, alive only while releases are pending, looks every
+:data:`WATCH_PERIOD_S` whether each pending hook is still in its connection's
+``run_on_commit``: once it is not, that transaction has ended (committed, rolled back
+or closed; a rolled-back savepoint keeps the entry) and the release runs, from the
+watcher's thread.
+
 **Tests.** Django's ``TestCase`` (and pytest-django's ``django_db``) wraps each test
 in atomic blocks of its own that never commit. Those blocks are not the caller's
 transaction: a lock taken outside any ``atomic()`` of the code under test is
@@ -32,7 +43,9 @@ runs the hooks, else at the end of the test. See ``specs/contract.md`` (Transact
 from __future__ import annotations
 
 import logging
+import os
 import threading
+import time
 import weakref
 from collections.abc import Callable, Sequence
 from typing import cast
@@ -41,6 +54,9 @@ from django.db import connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 logger = logging.getLogger("django_syncguard.transactions")
+
+#: How often the watcher looks for transactions that ended without running our hook.
+WATCH_PERIOD_S = 0.05
 
 
 def open_transactions() -> list[BaseDatabaseWrapper]:
@@ -82,8 +98,9 @@ def release_after(release: Callable[[], None], transactions: Sequence[BaseDataba
         # keeps it (see _savepoints_of_own_transaction); robust, so that an error
         # cannot stop the hooks after it.
         hooks = cast(list[tuple[set[str], Callable[[], None], bool]], connection.run_on_commit)
-        hook = _TransactionEnd(pending).committed
-        hooks.append((_savepoints_of_own_transaction(connection), hook, True))
+        end = _TransactionEnd(pending)
+        hooks.append((_savepoints_of_own_transaction(connection), end.committed, True))
+        _watcher.watch(connection, end)
 
 
 class _Pending:
@@ -112,3 +129,70 @@ class _TransactionEnd:
     def committed(self) -> None:
         """The commit hook (a bound method: Django logs hooks by ``__qualname__``)."""
         self._ended()
+
+    def pending_in(self, connection: BaseDatabaseWrapper) -> bool:
+        """Whether this hook still waits in ``connection``'s commit hooks (read from
+        the watcher's thread: the attribute is rebound, never mutated, when the
+        transaction ends, and a rolled-back savepoint copies our entry over)."""
+        return any(
+            getattr(entry[1], "__self__", None) is self for entry in connection.run_on_commit
+        )
+
+
+class _Watcher:
+    """Releases whose transaction ended without running their hook (see the module
+    docstring). One daemon thread per process, while any release is pending; it holds
+    the hooks weakly, so that the finalizer still fires as soon as one is freed."""
+
+    def __init__(self) -> None:
+        self._reset()
+
+    def _reset(self) -> None:
+        self._pid = os.getpid()
+        self._mutex = threading.Lock()
+        self._pending: list[tuple[BaseDatabaseWrapper, weakref.ref[_TransactionEnd]]] = []
+        self._thread: threading.Thread | None = None
+
+    def reset_after_fork(self) -> None:
+        """A forked child has no watcher thread and none of the parent's transactions."""
+        self._reset()
+
+    def watch(self, connection: BaseDatabaseWrapper, end: _TransactionEnd) -> None:
+        if self._pid != os.getpid():
+            self.reset_after_fork()
+        with self._mutex:
+            self._pending.append((connection, weakref.ref(end)))
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="syncguard-transaction-watcher", daemon=True
+                )
+                self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(WATCH_PERIOD_S)
+            with self._mutex:
+                pending = list(self._pending)
+            ended = [item for item in pending if self._ended(*item)]
+            with self._mutex:
+                self._pending = [item for item in self._pending if item not in ended]
+                if not self._pending:
+                    self._thread = None
+                    return
+
+    @staticmethod
+    def _ended(connection: BaseDatabaseWrapper, ref: weakref.ref[_TransactionEnd]) -> bool:
+        """Whether the hook has run or been dropped; runs its release if it was dropped."""
+        end = ref()
+        if end is None:
+            return True  # freed: its finalizer has run
+        if end.pending_in(connection):
+            return False
+        try:
+            end.committed()  # a no-op when the hook ran meanwhile
+        except Exception:
+            logger.exception("A release deferred to the end of a transaction failed.")
+        return True
+
+
+_watcher = _Watcher()

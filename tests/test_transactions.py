@@ -112,6 +112,56 @@ def test_a_rolled_back_savepoint_inside_the_locked_code_does_not_release(mem):
     assert not held(mem)
 
 
+class HookFailed(Exception):
+    pass
+
+
+@pytest.fixture
+def release_seen():
+    """Set when a ``lock_released`` signal arrives (from any thread)."""
+    seen = threading.Event()
+
+    def receiver(sender, **kwargs):
+        seen.set()
+
+    lock_released.connect(receiver, weak=False)
+    yield seen
+    lock_released.disconnect(receiver)
+
+
+def test_a_raising_commit_hook_before_ours_does_not_keep_the_lock(mem, release_seen):
+    def fail():
+        raise HookFailed
+
+    def pay():
+        with transaction.atomic():
+            transaction.on_commit(fail)  # Django's default: robust=False
+            with locked("invoice:1", using=mem.backend):
+                pass
+
+    with pytest.raises(HookFailed) as raised:
+        pay()
+    # The exception, and through its traceback the hooks Django never ran, stay alive
+    # (as an error tracker or a task result would keep them); the data is committed.
+    assert raised.value.__traceback__ is not None
+    assert release_seen.wait(timeout=5)
+    assert not held(mem)
+
+
+def test_a_rollback_releases_while_something_keeps_the_dropped_hooks(mem, release_seen):
+    kept = []
+
+    def body():
+        with locked("invoice:1", using=mem.backend):
+            pass
+        kept.append(connections["default"].run_on_commit)  # outlives the rollback
+
+    rolled_back(body)
+    assert len(kept[0]) == 1
+    assert release_seen.wait(timeout=5)
+    assert not held(mem)
+
+
 def test_nested_locks_are_released_together_after_the_commit(mem):
     with transaction.atomic():
         with locked("outer", using=mem.backend), locked("inner", using=mem.backend):
