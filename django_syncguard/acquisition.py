@@ -27,11 +27,12 @@ from .handler import resolve_backend
 from .keys import hash_key, normalize_and_validate_key
 from .leases import Lease, pop_current, push_current
 from .results import AcquireResult
-from .retry import Backoff, Jitter, RetryPolicy, aacquire_with_retry, acquire_with_retry
+from .retry import Backoff, Jitter, RetryPolicy
 from .signals import Outgoing
 from .transactions import open_transactions, release_after
 from .ttl import validate_ttl
 from .waiting import WaitSession, WaitTicket
+from .waiting.loop import aacquire_with_retry, acquire_with_retry
 
 OnContended = Literal["wait", "skip", "raise"]
 
@@ -282,7 +283,7 @@ RETRY_OPTIONS = frozenset(f.name for f in fields(RetryPolicy))
 def _withdraw(backend: Any, key: str, session: WaitSession) -> None:
     """Give up a queued ticket (best effort: an unreachable server drops it by its
     patience)."""
-    if not session.queued:
+    if not session.queued or session.ticket is None:
         return
     try:
         backend.withdraw(key, session.ticket.id)
@@ -291,7 +292,7 @@ def _withdraw(backend: Any, key: str, session: WaitSession) -> None:
 
 
 async def _awithdraw(backend: Any, key: str, session: WaitSession) -> None:
-    if not session.queued:
+    if not session.queued or session.ticket is None:
         return
     try:
         await backend.awithdraw(key, session.ticket.id)

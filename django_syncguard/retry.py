@@ -1,7 +1,9 @@
-"""The acquisition retry loop of ``lock()`` / ``locked()``.
+"""The retry schedule of ``lock()`` / ``locked()``: the specification's formulas.
 
-Backends try once (specs/contract.md, Operations); this module retries on contention with the
-specification's formulas. With ``attempt`` the 1-based number of failed attempts::
+Backends try once (specs/contract.md, Operations); the waiting loop
+(:mod:`~django_syncguard.waiting.loop`) retries on contention at the delays this
+module computes, and gives up when it says so. With ``attempt`` the 1-based number
+of failed attempts::
 
     exponential: base = retry_delay_ms * 2 ** (attempt - 1)
     fixed:       base = retry_delay_ms
@@ -18,12 +20,10 @@ than ending the loop: only elapsed time ends it.
 from __future__ import annotations
 
 import random
-import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
-from .cancellation import CancelToken, asleep, sleep
 from .constants import (
     DEFAULT_BACKOFF,
     DEFAULT_JITTER,
@@ -33,10 +33,6 @@ from .constants import (
 )
 from .errors import AcquisitionTimeout, InvalidArgument
 from .keys import hash_key
-from .results import AcquireResult
-
-if TYPE_CHECKING:
-    from .waiting import WaitSession
 
 Backoff = Literal["exponential", "fixed"]
 Jitter = Literal["equal", "full", "none"]
@@ -45,7 +41,8 @@ Jitter = Literal["equal", "full", "none"]
 # clamped to the remaining time anyway.
 _MAX_EXPONENT = 1000
 
-_rng = random.Random()
+#: The jitter source of every schedule (tests pass their own).
+rng = random.Random().random
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,8 +91,8 @@ def _not_number(value: Any, *, integral: bool = False) -> bool:
 
 
 @dataclass
-class _Loop:
-    """The bookkeeping shared by the sync and async loops."""
+class RetrySchedule:
+    """One acquisition's retry budget: the attempts made and the time left."""
 
     policy: RetryPolicy
     clock: Callable[[], float]
@@ -134,76 +131,3 @@ class _Loop:
             f"Lock on key {key_hash} still held after {after}.",
             context={"key": self.key, "key_hash": key_hash},
         )
-
-
-def acquire_with_retry(
-    acquire: Callable[[], AcquireResult],
-    policy: RetryPolicy,
-    *,
-    key: str,
-    cancel: CancelToken | None = None,
-    clock: Callable[[], float] = time.monotonic,
-    sleeper: Callable[[float, CancelToken | None], None] = sleep,
-    rng: Callable[[], float] = _rng.random,
-    session: WaitSession | None = None,
-) -> AcquireResult:
-    """Call ``acquire`` until it succeeds, backing off between attempts.
-
-    With a wait ``session`` the pause between attempts ends early when a release
-    wakes it (see :mod:`~django_syncguard.waiting`); the backoff delay still bounds
-    how long a waiter whose wake-ups may be lost goes without an attempt.
-    """
-    loop = _Loop(policy, clock, rng, key)
-    loop.start()
-    result = acquire()
-    while not result.ok:
-        delay = loop.next_delay_s()
-        if session is None:
-            sleeper(delay, cancel)
-            result = acquire()
-            continue
-        # Attempts a wake-up brings before the backoff delay is over are extra: they
-        # do not use up max_retries (the formulas bound the sleeps, not the wake-ups).
-        due = clock() + delay
-        while True:
-            session.pause(
-                max(due - clock(), 0.0), loop.remaining_s(), cancel, result.queue_position
-            )
-            result = acquire()
-            if result.ok or clock() >= due:
-                break
-            loop.check_time()
-    return result
-
-
-async def aacquire_with_retry(
-    acquire: Callable[[], Awaitable[AcquireResult]],
-    policy: RetryPolicy,
-    *,
-    key: str,
-    cancel: CancelToken | None = None,
-    clock: Callable[[], float] = time.monotonic,
-    sleeper: Callable[[float, CancelToken | None], Awaitable[None]] = asleep,
-    rng: Callable[[], float] = _rng.random,
-    session: WaitSession | None = None,
-) -> AcquireResult:
-    """Async twin of :func:`acquire_with_retry`."""
-    loop = _Loop(policy, clock, rng, key)
-    loop.start()
-    result = await acquire()
-    while not result.ok:
-        delay = loop.next_delay_s()
-        if session is None:
-            await sleeper(delay, cancel)
-            result = await acquire()
-            continue
-        due = clock() + delay
-        while True:
-            await session.apause(
-                max(due - clock(), 0.0), loop.remaining_s(), cancel, result.queue_position
-            )
-            result = await acquire()
-            if result.ok or clock() >= due:
-                break
-            loop.check_time()
-    return result

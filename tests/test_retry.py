@@ -8,7 +8,9 @@ import pytest
 
 from django_syncguard import AcquireResult, AcquisitionTimeout, InvalidArgument
 from django_syncguard.keys import hash_key
-from django_syncguard.retry import RetryPolicy, aacquire_with_retry, acquire_with_retry
+from django_syncguard.retry import RetryPolicy
+from django_syncguard.waiting import WaitSession
+from django_syncguard.waiting.loop import aacquire_with_retry, acquire_with_retry
 
 LOCKED = AcquireResult.locked()
 OK = AcquireResult(ok=True, lock_id="A" * 22, expires_at_ms=1, fence="000000000000001")
@@ -195,3 +197,60 @@ async def test_async_loop_uses_the_same_schedule():
 def test_invalid_policies_are_refused(kwargs):
     with pytest.raises(InvalidArgument):
         RetryPolicy(**kwargs)
+
+
+class SilentChannel:
+    """A healthy wake-up channel on which no release is ever announced: each wait
+    runs to its end on the fake clock."""
+
+    def __init__(self, t: FakeTime) -> None:
+        self.t = t
+        self.healthy = True
+        self.waits_ms: list[float] = []
+
+    def ready(self, key):
+        return False
+
+    def listen(self, key, ticket_id):
+        return self
+
+    def wait(self, timeout_s, cancel):
+        self.waits_ms.append(round(timeout_s * 1000, 6))
+        self.t.now += timeout_s
+        return False
+
+    def close(self):
+        pass
+
+
+@pytest.mark.parametrize(
+    ("policy", "waits_ms"),
+    [
+        (RetryPolicy(max_retries=3, retry_delay_ms=150, backoff="fixed", jitter="none"), [150] * 3),
+        (RetryPolicy(max_retries=3, retry_delay_ms=100, jitter="none"), [100, 200, 400]),
+        # Delays past the one-second check-in: an extra attempt at the check-in.
+        (
+            RetryPolicy(max_retries=2, retry_delay_ms=1500, backoff="fixed", jitter="none"),
+            [1000, 500, 1000, 500],
+        ),
+    ],
+)
+def test_a_healthy_waiter_gives_up_on_the_formulas_schedule(policy, waits_ms):
+    # Issue 20, defect 1: a timer wake-up of a healthy listener counts as a retry.
+    t = FakeTime()
+    channel = SilentChannel(t)
+    session = WaitSession(channel, "k", clock=t.clock)
+    acquire, calls = scripted(*[LOCKED] * 20)
+    with pytest.raises(AcquisitionTimeout, match=f"after {policy.max_retries + 1} attempts"):
+        acquire_with_retry(
+            lambda: session.attempt(lambda ticket: acquire()),
+            policy,
+            key="k",
+            clock=t.clock,
+            session=session,
+        )
+    assert channel.waits_ms == waits_ms
+    assert round(t.now - 100.0, 6) == sum(waits_ms) / 1000
+    # The first attempt goes without a ticket, the queueing one at once after it; then
+    # one per wait.
+    assert len(calls) == 2 + len(waits_ms)

@@ -25,7 +25,6 @@ from django_syncguard import (
     locked,
     signals,
 )
-from django_syncguard import waiting as waiting_module
 from django_syncguard.waiting import (
     CHECK_IN_MS,
     HEAD_POLL_MS,
@@ -33,6 +32,7 @@ from django_syncguard.waiting import (
     WaitTicket,
     WakeUps,
 )
+from django_syncguard.waiting import tickets as waiting_module
 
 JOIN_S = 30.0  # bound for a thread that must finish; never slept
 NEVER = {"retry_delay_ms": 600_000, "backoff": "fixed", "jitter": "none", "timeout_ms": 600_000}
@@ -374,8 +374,10 @@ class _Listener:
 @pytest.mark.parametrize(
     ("healthy", "delay_s", "remaining_s", "position", "expected_s"),
     [
-        (True, 0.05, 5.0, 3, CHECK_IN_MS / 1000),  # healthy: sleep to the check-in
-        (True, 0.05, 0.3, 0, 0.3),  # ...but never past the timeout
+        # Healthy: until the schedule's next attempt (issue 20: it slept to the check-in).
+        (True, 0.05, 5.0, 3, 0.05),
+        (True, 4.0, 5.0, 3, CHECK_IN_MS / 1000),  # ...or the check-in, if sooner
+        (True, 0.5, 0.3, 0, 0.3),  # ...but never past the timeout
         (False, 0.4, 5.0, None, 0.4),  # unhealthy, place unknown: the backoff delay
         (False, 4.0, 5.0, None, CHECK_IN_MS / 1000),  # ...capped at the check-in
         (False, 0.4, 5.0, 0, HEAD_POLL_MS / 1000),  # first in line polls quickly
@@ -384,7 +386,7 @@ class _Listener:
     ],
 )
 def test_pause_plan(healthy, delay_s, remaining_s, position, expected_s):
-    session = WaitSession(WakeUps("test"), "k")
+    session = WaitSession(WakeUps("test"), "k", clock=lambda: 100.0)  # the last request: now
     session.listener = _Listener(healthy)
     assert session.pause_plan(delay_s, remaining_s, position) == expected_s
 

@@ -9,14 +9,23 @@ holding the queue up. Wake-ups are awaited on events, never on sleeps.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
-from django_syncguard import InvalidArgument, generate_lock_id
+from django_syncguard import AcquisitionTimeout, InvalidArgument, generate_lock_id, lock
 from django_syncguard.results import AcquireResult
 from django_syncguard.waiting import PATIENCE_MS, WaitTicket
 
 TTL = 10_000
 WAKE_S = 10.0  # generous bound for an event that must arrive; never slept
+FIXED_150_MS = {
+    "max_retries": 3,
+    "retry_delay_ms": 150,
+    "backoff": "fixed",
+    "jitter": "none",
+    "timeout_ms": 10_000,
+}
 
 
 def ticket(patience_ms: int = PATIENCE_MS) -> WaitTicket:
@@ -147,3 +156,24 @@ def test_wake_ups_off_means_plain_backoff_without_a_queue(harness):
 def test_the_wake_ups_option_must_be_a_bool(harness):
     with pytest.raises(InvalidArgument, match="WAKE_UPS"):
         type(harness)(WAKE_UPS="no")
+
+
+@pytest.mark.parametrize("wake_ups", [True, False], ids=["wake-ups", "no-wake-ups"])
+def test_a_waiter_gives_up_when_the_retry_formulas_say(harness, wake_ups):
+    """Issue 20, defect 1: with wake-ups on, a timer wake-up did not count as a retry
+    and ``max_retries=3`` waited three one-second check-ins (3 s) instead of 3 x 150 ms."""
+    h = type(harness)(WAKE_UPS=wake_ups)
+    try:
+        held = take(h.backend, "q:budget")
+        started = time.monotonic()
+        # Counted: the first attempt and three retries (polls in between count for nothing).
+        with pytest.raises(AcquisitionTimeout, match=r"after 4 attempts \(max_retries=3\)"):
+            lock(lambda: None, key="q:budget", using=h.backend, **FIXED_150_MS)
+        waited_s = time.monotonic() - started
+        h.backend.release(held.lock_id)
+    finally:
+        h.close()
+    assert (h.backend.wake_ups is not None) is wake_ups
+    # The formulas: 3 x 150 ms. The bound above leaves room for a slow machine, and
+    # stays far below the 3 s of the defect.
+    assert 0.45 <= waited_s < 2.0

@@ -1,0 +1,513 @@
+"""The channel worker: a backend's wake-ups over a server channel.
+
+Every server backend announces releases on a channel of its server (Redis pub/sub,
+PostgreSQL ``LISTEN``/``NOTIFY``, a Firestore Listen stream). :class:`ChannelWorker`
+is the one implementation of what they share; a :class:`Transport` supplies only how
+to connect, subscribe, unsubscribe and read.
+
+* **One thread and one connection per backend and process**, started by the first
+  waiter and ended when nothing is left to listen to (or by :meth:`close`). The
+  thread is the only code that touches the connection: waiters say which channels
+  they need under a condition variable and poke the thread through a socket pair; it
+  sleeps in a selector on the connection's socket (or, for a transport without one,
+  is poked by it) and the socket pair.
+* **Desired and actual subscriptions**: ``_channels`` (channel -> key) is what the
+  waiters need; the thread subscribes what is missing and unsubscribes what is no
+  longer needed, so a channel re-subscribed before its unsubscription went out costs
+  nothing.
+* **Confirmation**: a listener counts as subscribed once the server confirmed its
+  channel. A transport that ``confirms_on_listen`` makes :meth:`listen` wait for
+  that (Redis, Firestore: cheap to confirm); otherwise (PostgreSQL) the listener is
+  confirmed later and woken once, so that it tries again at once: a release before
+  the subscription is seen by that attempt, one after it is heard.
+* **Idle channels**: a channel whose last local waiter left stays subscribed for
+  :data:`IDLE_CHANNEL_S` (at most the transport's ``idle_cap`` such channels, the
+  longest idle go first), so a hot key costs no subscription per cycle.
+* **States** (:class:`State`): a lost connection turns the worker ``DOWN`` and runs
+  :meth:`~.listeners.WakeUps.connection_lost` (every listener polls from then on,
+  and tries once at once); the thread reconnects with a bounded, jittered backoff
+  (:func:`reconnect_delay_s`), subscribes again the channels that still have local
+  waiters, and is ``CONNECTED`` once the server confirmed them all. A channel that
+  accepts subscriptions but can never deliver (PostgreSQL behind a transaction
+  pooler) makes it ``DEAF``: waiters poll for good.
+* **Fork**: a forked child starts from nothing (no thread, no connection); the
+  parent's connection is neither closed nor finalized by the child, which would end
+  it for the parent too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import logging
+import random
+import selectors
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from .listeners import WakeUps
+
+logger = logging.getLogger("django_syncguard.waiting.channels")
+
+#: A channel whose last local waiter left stays subscribed this long.
+IDLE_CHANNEL_S = 30.0
+#: The reconnect backoff: at once after a connection that lived, then from the
+#: minimum, doubling, up to the maximum (each delay jittered to 50-100 %).
+RECONNECT_MIN_S = 0.05
+RECONNECT_MAX_S = 2.0
+#: After the server refused a subscription (an ACL, for one), the next try.
+REFUSED_RETRY_S = 60.0
+#: The thread looks at its idle channels and the connection's health this often at least.
+MAX_SELECT_S = 60.0
+
+#: Connections a forked child inherited: kept referenced for good, so that their
+#: finalizers never run in the child (a driver's finalizer may end the session, which
+#: is the parent's).
+_INHERITED: list[Any] = []
+
+
+class State(enum.Enum):
+    IDLE = "idle"  # no thread: nothing to listen to yet, or any more
+    CONNECTING = "connecting"  # connecting, or subscribing again after a loss
+    CONNECTED = "connected"  # connected, every channel subscribed again
+    DOWN = "down"  # the connection broke or cannot be made: reconnecting
+    DEAF = "deaf"  # the channel can never deliver here: waiters poll
+    CLOSED = "closed"
+
+
+@dataclass(frozen=True, slots=True)
+class Confirmed:
+    """The server confirmed the subscription to ``channel``."""
+
+    channel: str
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """A release woke ``ticket_id`` on ``channel``."""
+
+    channel: str
+    ticket_id: str
+
+
+Event = Confirmed | Message
+
+
+class Refused(Exception):
+    """The server refused a subscription; retried after :data:`REFUSED_RETRY_S`."""
+
+
+class Deaf(Exception):
+    """The channel accepts subscriptions but will never deliver a message."""
+
+
+class Connection(Protocol):
+    """One connection of a transport, used by the worker's thread only."""
+
+    def fileno(self) -> int | None:
+        """The socket to wait on; None when the connection pokes the worker itself."""
+
+    def subscribe(self, channels: Sequence[str]) -> Iterable[str]:
+        """Ask for ``channels``; return those the server has already confirmed (the
+        others are confirmed by a later :class:`Confirmed`)."""
+
+    def unsubscribe(self, channels: Sequence[str]) -> None: ...
+
+    def receive(self) -> list[Event]:
+        """What arrived, without waiting; raises when the connection broke."""
+
+    def check(self) -> float:
+        """Check the connection's health; seconds until the next check. Raises when
+        the connection is dead (a health probe went unanswered)."""
+
+    def close(self) -> None: ...
+
+
+class Transport(Protocol):
+    """How one backend's channel is reached (see the module docstring)."""
+
+    #: Whether :meth:`ChannelWorker.listen` waits for the server's confirmation.
+    confirms_on_listen: bool
+    #: Idle channels kept subscribed at most.
+    idle_cap: int
+    #: Channels subscribed at most (None: no limit); waiters beyond it poll.
+    max_channels: int | None
+
+    def channel(self, key: str) -> str:
+        """The channel a key's releases are announced on."""
+
+    def connect(self, poke: Callable[[], None]) -> Connection:
+        """A new connection (blocking, within the backend's timeouts); raises
+        :class:`Deaf` or :class:`Refused` or any error."""
+
+
+def reconnect_delay_s(failures: int) -> float:
+    """The pause before reconnection attempt number ``failures`` + 1 in a row."""
+    if failures <= 1:
+        return 0.0
+    delay: float = min(RECONNECT_MIN_S * 2.0 ** min(failures - 2, 16), RECONNECT_MAX_S)
+    return delay * (0.5 + random.random() / 2)
+
+
+class ChannelWorker(WakeUps):
+    """Wake-ups over a :class:`Transport` (see the module docstring).
+
+    ``timeout_s`` bounds how long :meth:`listen` waits for a confirmation, and how
+    long :meth:`close` waits for the thread.
+    """
+
+    def __init__(self, name: str, transport: Transport, *, timeout_s: float) -> None:
+        super().__init__(name)
+        self.transport = transport
+        self._timeout_s = timeout_s
+        self._init_state()
+
+    def _init_state(self) -> None:
+        """A fresh state: at construction, and in a forked child."""
+        # The condition guards what waiters read; ``_sent`` and ``_connection`` are
+        # the thread's alone.
+        self._cond = threading.Condition(threading.Lock())
+        self._state = State.IDLE
+        self._channels: dict[str, str] = {}  # channel -> key: to be subscribed
+        self._idle: dict[str, float] = {}  # channel -> when its waiters left (oldest first)
+        self._confirmed: set[str] = set()  # confirmed on the current connection
+        self._resubscribing: set[str] = set()  # the reconnect's batch, until confirmed
+        self._dirty = False  # a waiter asked for a channel the thread has not sent
+        self._failures = 0  # broken or failed connections (waiters watch it)
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._sent: set[str] = set()
+        self._connection: Connection | None = None
+        self._poke_r, self._poke_w = socket.socketpair()
+        self._poke_r.setblocking(False)
+        self._poke_w.setblocking(False)
+
+    # ------------------------------------------------------------------ state
+    @property
+    def state(self) -> State:
+        return self._state
+
+    @property
+    def connected(self) -> bool:
+        return self._state is State.CONNECTED
+
+    def wait_connected(self, timeout_s: float) -> bool:
+        """Block until connected and resubscribed (True), closed or deaf, or for
+        ``timeout_s`` at most."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self._state is not State.CONNECTED:
+                left = deadline - time.monotonic()
+                if self._state in (State.DEAF, State.CLOSED) or left <= 0:
+                    return False
+                self._cond.wait(left)
+            return True
+
+    def listening(self) -> frozenset[str]:
+        """The channels the server confirmed on the current connection."""
+        with self._cond:
+            return frozenset(self._confirmed)
+
+    def ready(self, key: str) -> bool:
+        self._after_fork()
+        channel = self.transport.channel(key)
+        with self._cond:
+            return self._state is State.CONNECTED and channel in self._confirmed
+
+    def close(self) -> None:
+        """Stop the thread; it closes its connection. Waiters still registered poll."""
+        with self._cond:
+            if self._state is State.CLOSED:
+                return
+            self._state = State.CLOSED
+            thread = self._thread
+            self._cond.notify_all()
+        self._stop.set()
+        self.poke()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(self._timeout_s + 1)
+            if thread.is_alive():
+                return  # stuck on the network: it may still read the socket pair
+        self._poke_r.close()
+        self._poke_w.close()
+
+    def poke(self) -> None:
+        """Wake the thread's selector (a full socket pair is a poke already)."""
+        with contextlib.suppress(OSError):
+            self._poke_w.send(b"\0")
+
+    # ------------------------------------------------------------ channel hooks
+    def _subscribe(self, key: str) -> bool:
+        return self.want(key, wait=self.transport.confirms_on_listen)
+
+    def _subscribed(self, key: str) -> bool:
+        return self.want(key, wait=self.transport.confirms_on_listen)
+
+    def want(self, key: str, *, wait: bool) -> bool:
+        """Ask the thread to subscribe ``key``'s channel; with ``wait``, block (at
+        most ``timeout_s``) until the server confirmed it. True when confirmed."""
+        channel = self.transport.channel(key)
+        deadline = time.monotonic() + self._timeout_s
+        with self._cond:
+            if self._state in (State.CLOSED, State.DEAF) or not self._admit(channel, key):
+                return False
+            self._idle.pop(channel, None)
+            if self._state is State.CONNECTED and channel in self._confirmed:
+                return True  # a hot key: nothing to send
+            self._dirty = True
+            self._start()
+            self.poke()
+            if not wait or self._state is State.DOWN:
+                return False  # confirmed later (the listener is woken), or polls
+            failures = self._failures
+            while not (self._state is State.CONNECTED and channel in self._confirmed):
+                left = deadline - time.monotonic()
+                gone = self._state in (State.CLOSED, State.DEAF, State.DOWN)
+                if left <= 0 or gone or self._failures != failures:
+                    return False
+                self._cond.wait(left)
+            return True
+
+    def _admit(self, channel: str, key: str) -> bool:
+        """Make ``channel`` wanted, within the transport's limit (caller holds
+        ``_cond``)."""
+        if channel in self._channels:
+            return True
+        limit = self.transport.max_channels
+        if limit is not None and len(self._channels) >= limit:
+            self._expire_idle(time.monotonic(), keep=0)
+            if len(self._channels) >= limit:
+                logger.info("%s listens to %d channels: this waiter polls.", self.name, limit)
+                return False
+        self._channels[channel] = key
+        return True
+
+    def _unsubscribe(self, key: str) -> None:
+        # Lazily: the thread unsubscribes the channel once it has been idle a while.
+        channel = self.transport.channel(key)
+        with self._cond:
+            if channel in self._channels and self._state is not State.CLOSED:
+                self._idle.pop(channel, None)
+                self._idle[channel] = time.monotonic()
+                if len(self._idle) > self.transport.idle_cap:
+                    self.poke()
+                elif self._state is State.IDLE:
+                    self._start()  # only the thread expires idle channels
+
+    def _expire_idle(self, now: float, *, keep: int | None = None) -> float:
+        """Forget idle channels past :data:`IDLE_CHANNEL_S` or beyond ``keep``
+        (default: the transport's cap); seconds until the next one is due (caller
+        holds ``_cond``). A channel whose key has a waiter again stays."""
+        cap = self.transport.idle_cap if keep is None else keep
+        while self._idle:
+            channel, since = next(iter(self._idle.items()))
+            if len(self._idle) <= cap and now - since < IDLE_CHANNEL_S:
+                return since + IDLE_CHANNEL_S - now
+            del self._idle[channel]
+            if self.waited_on(self._channels.get(channel)):
+                continue  # a waiter came back before its predecessor's unsubscribe
+            del self._channels[channel]
+            # At once: a waiter arriving now must not believe it still subscribed.
+            self._confirmed.discard(channel)
+        return float("inf")
+
+    def reset_after_fork(self) -> None:
+        # The parent's thread does not exist here; its connection is the parent's.
+        if self._connection is not None:
+            _INHERITED.append(self._connection)
+        for end in (self._poke_r, self._poke_w):
+            with contextlib.suppress(OSError):
+                end.close()  # this process's copies: the parent keeps its own
+        self._init_state()
+        super().reset_after_fork()
+
+    # ---------------------------------------------------------------- the thread
+    def _start(self) -> None:
+        """Start the thread unless it runs (caller holds ``_cond``)."""
+        if self._state is State.CLOSED or (self._thread is not None and self._thread.is_alive()):
+            return
+        if self._state is State.IDLE:
+            self._state = State.CONNECTING
+        self._thread = threading.Thread(
+            target=self._run, name=f"syncguard wake-ups {self.name}", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self) -> None:
+        failures = 0  # in a row: connections that failed, or broke soon after opening
+        while not self._stop.is_set() and self._still_needed():
+            opened: float | None = None
+            connection: Connection | None = None
+            try:
+                connection = self._connection = self.transport.connect(self.poke)
+                opened = time.monotonic()
+                if self._serve(connection):
+                    return  # nothing left to listen to, or closed
+            except Deaf:
+                self._deaf()
+                return
+            except Refused as exc:
+                self._broken(exc)
+                self._stop.wait(REFUSED_RETRY_S)
+                continue
+            except Exception as exc:  # whatever broke the connection: report, retry
+                self._broken(exc)
+                lived = time.monotonic() - (opened or time.monotonic())
+                failures = 1 if lived > RECONNECT_MAX_S else failures + 1
+            finally:
+                self._disconnect(connection)
+            self._stop.wait(reconnect_delay_s(failures))
+            self._drain_pokes()
+
+    def _still_needed(self) -> bool:
+        """Whether any channel is wanted; if not, the thread ends (a waiter that comes
+        later starts another)."""
+        with self._cond:
+            if self._channels or self._state is State.CLOSED:
+                return True
+            self._state = State.IDLE
+            self._thread = None
+            self._cond.notify_all()
+            return False
+
+    def _disconnect(self, connection: Connection | None) -> None:
+        if self._connection is connection:
+            self._connection = None
+        if connection is not None:
+            try:
+                connection.close()
+            except Exception as exc:
+                logger.debug("Closing the wake-up connection of %s: %r", self.name, exc)
+
+    def _serve(self, connection: Connection) -> bool:
+        """Subscribe again, then read and reconcile until there is nothing left to
+        listen to or the worker is closed (True); raises when the connection breaks."""
+        with self._cond:
+            now = time.monotonic()
+            for channel in list(self._idle):  # only channels with waiters come back
+                self._idle[channel] = now - IDLE_CHANNEL_S
+            self._expire_idle(now)
+            batch = list(self._channels)
+            self._dirty = False
+            self._resubscribing = set(batch)
+        self._sent = set(batch)  # this thread's: a thread that ended touches it no more
+        self._confirm(connection.subscribe(batch) if batch else ())
+        with self._cond:
+            if self._state is State.CLOSED:
+                return True
+            if self._state is not State.CONNECTED:
+                self._state = State.CONNECTING
+            self._settle_state()
+        fd = connection.fileno()
+        with selectors.DefaultSelector() as selector:
+            selector.register(self._poke_r, selectors.EVENT_READ)
+            if fd is not None:
+                selector.register(fd, selectors.EVENT_READ)
+            while not self._stop.is_set():
+                next_expiry = self._reconcile(connection)
+                if next_expiry is None:
+                    return True
+                self._handle(connection.receive())
+                timeout = min(next_expiry, connection.check(), MAX_SELECT_S)
+                selector.select(max(timeout, 0.0))
+                self._drain_pokes()
+        return True
+
+    def _reconcile(self, connection: Connection) -> float | None:
+        """Send what the waiters need; seconds until an idle channel is due, or None
+        when nothing is left to listen to (the thread ends)."""
+        with self._cond:
+            next_expiry = self._expire_idle(time.monotonic())
+            wanted = set(self._channels)
+            if not wanted and not self._sent:
+                self._state = State.IDLE
+                self._thread = None
+                self._cond.notify_all()
+                return None
+            added = [c for c in self._channels if c not in self._sent] if self._dirty else []
+            self._dirty = False
+        dropped = sorted(self._sent - wanted)
+        if dropped:
+            self._sent.difference_update(dropped)
+            connection.unsubscribe(dropped)
+        if added:
+            self._sent.update(added)
+            self._confirm(connection.subscribe(added))
+        return next_expiry
+
+    def _handle(self, events: list[Event]) -> None:
+        confirmed = [event.channel for event in events if isinstance(event, Confirmed)]
+        if confirmed:
+            self._confirm(confirmed)
+        for event in events:
+            if isinstance(event, Message):
+                with self._cond:
+                    key = self._channels.get(event.channel)
+                if key is not None:
+                    self.deliver(key, event.ticket_id)
+
+    def _confirm(self, channels: Iterable[str]) -> None:
+        """The server confirmed ``channels``: their listeners are subscribed now, and
+        those registered before are woken once (a release may have come first)."""
+        channels = [channel for channel in channels if channel in self._sent]
+        if not channels:
+            return
+        with self._cond:
+            keys = [self._channels[c] for c in channels if c in self._channels]
+            self._confirmed.update(c for c in channels if c in self._channels)
+            self._resubscribing.difference_update(channels)
+            self._settle_state()
+        for key in keys:
+            for listener in self.listeners_of(key):
+                if not listener.confirmed:
+                    listener.confirmed = True
+                    listener.wake()
+
+    def _settle_state(self) -> None:
+        """Connected once the reconnect's batch is confirmed (caller holds ``_cond``)."""
+        if self._state is State.CONNECTING and not self._resubscribing:
+            self._state = State.CONNECTED
+        self._cond.notify_all()
+
+    def _drain_pokes(self) -> None:
+        with contextlib.suppress(OSError):
+            while self._poke_r.recv(4096):
+                pass
+
+    def _broken(self, exc: BaseException) -> None:
+        """The connection broke, or could not be made: waiters poll until it is back."""
+        with self._cond:
+            was = self._state
+            heard = bool(self._confirmed)
+            if was is not State.CLOSED:
+                self._state = State.DOWN
+            self._confirmed.clear()
+            self._failures += 1
+            self._cond.notify_all()
+        if was is State.CLOSED:
+            return
+        # The log first: it then precedes whatever the woken waiters do and log.
+        if was is not State.DOWN:
+            logger.warning(
+                "Wake-ups of %s have no connection (%r); waiters poll until it is back.",
+                self.name,
+                exc,
+            )
+        else:
+            logger.debug("Wake-ups of %s still cannot connect: %r", self.name, exc)
+        if heard or was is State.CONNECTED:
+            self.connection_lost()
+
+    def _deaf(self) -> None:
+        """Listeners were never healthy on this channel: nothing was lost."""
+        self.reaches_other_processes = False
+        with self._cond:
+            if self._state is not State.CLOSED:
+                self._state = State.DEAF
+            self._confirmed.clear()
+            self._thread = None
+            self._cond.notify_all()

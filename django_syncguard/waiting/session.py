@@ -1,0 +1,125 @@
+"""One waiting acquisition: its ticket, its listener, and the pause between attempts.
+
+A release can only wake a queued ticket, and a ticket is only queued after its
+listener exists, so no wake-up is lost. When the key's channel is already listened to
+(a hot key: :meth:`WakeUps.ready`), the listener is registered at once and every
+attempt carries the ticket. Otherwise the first attempt goes without a ticket, so an
+uncontended acquire of a fresh key costs what it does without queues (no ticket, no
+subscription); only if it meets contention are the ticket drawn and the listener
+registered and, at once, an attempt made with the ticket to queue it.
+
+Between attempts the waiter sleeps on its listener until the next attempt the retry
+schedule calls for (the backoff delay; that attempt is always sent and counts as a
+retry), and wakes earlier for an attempt that counts for nothing:
+
+* a release (or a broken channel) woke it;
+* its check-in is due: :data:`~.tickets.CHECK_IN_MS` after its last request, which
+  renews its ticket and notices a holder whose lease ran out without a release;
+* its listener is not healthy (no wake-up is sure to reach it) and it polls by its
+  place in line: the waiter at place ``p`` (0 is first) every ``(p + 1) *``
+  :data:`HEAD_POLL_MS`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+
+from ..cancellation import CancelToken
+from ..results import AcquireResult
+from . import tickets
+from .listeners import Listener, WakeUps
+from .tickets import WaitTicket
+
+#: The first waiter in line polls at least this often when no wake-up can reach it.
+HEAD_POLL_MS = 10
+
+
+class WaitSession:
+    """See the module docstring. ``clock`` (seconds) is injectable."""
+
+    def __init__(
+        self, wake_ups: WakeUps, key: str, *, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.wake_ups = wake_ups
+        self.key = key
+        self.ticket: WaitTicket | None = None  # drawn when an attempt meets contention
+        self.listener: Listener | None = None
+        self.clock = clock
+        self.queued = False  # an attempt with the ticket met contention
+        self._last_request = clock()
+
+    def attempt(self, request: Callable[[WaitTicket | None], AcquireResult]) -> AcquireResult:
+        """The next attempt, through ``request(ticket)`` (see the module docstring)."""
+        if self.listener is None and self.wake_ups.ready(self.key):
+            self.listener = self._listen()
+        if self.listener is None:
+            result = self._sent(request(None))
+            if result.ok:
+                return result
+            self.listener = self._listen()
+        return self._ticketed(self._sent(request(self.ticket)))
+
+    async def aattempt(
+        self, request: Callable[[WaitTicket | None], Awaitable[AcquireResult]]
+    ) -> AcquireResult:
+        """Async twin of :meth:`attempt`."""
+        if self.listener is None and self.wake_ups.ready(self.key):
+            # Ready means no I/O: no need for a worker thread.
+            self.listener = self._listen()
+        if self.listener is None:
+            result = self._sent(await request(None))
+            if result.ok:
+                return result
+            self.ticket = self.ticket or WaitTicket.new()
+            self.listener = await self.wake_ups.alisten(self.key, self.ticket.id)
+        return self._ticketed(self._sent(await request(self.ticket)))
+
+    def _listen(self) -> Listener:
+        self.ticket = self.ticket or WaitTicket.new()
+        return self.wake_ups.listen(self.key, self.ticket.id)
+
+    def _sent(self, result: AcquireResult) -> AcquireResult:
+        self._last_request = self.clock()
+        return result
+
+    def _ticketed(self, result: AcquireResult) -> AcquireResult:
+        self.queued = self.queued or not result.ok
+        return result
+
+    @property
+    def healthy(self) -> bool:
+        return self.listener is not None and self.listener.healthy
+
+    def pause_plan(self, delay_s: float, remaining_s: float, position: int | None) -> float:
+        """How long to wait at most: until the retry schedule's next attempt
+        (``delay_s``), the check-in, or, unhealthy, the poll by place in line."""
+        check_in_s = self._last_request + tickets.CHECK_IN_MS / 1000 - self.clock()
+        budget = max(min(delay_s, remaining_s, check_in_s), 0.0)
+        if position is not None and not self.healthy:
+            # Polling by place: the first in line every HEAD_POLL_MS, the next ones a
+            # little less often, so whoever moves up to first learns it soon.
+            budget = min(budget, HEAD_POLL_MS * (position + 1) / 1000)
+        return budget
+
+    def pause(
+        self, delay_s: float, remaining_s: float, cancel: CancelToken | None, position: int | None
+    ) -> None:
+        """Sleep until woken, or until the next attempt is due (see the module doc)."""
+        self._listening().wait(self.pause_plan(delay_s, remaining_s, position), cancel)
+
+    async def apause(
+        self, delay_s: float, remaining_s: float, cancel: CancelToken | None, position: int | None
+    ) -> None:
+        """Async twin of :meth:`pause`."""
+        budget = self.pause_plan(delay_s, remaining_s, position)
+        await self._listening().await_wake(budget, cancel)
+
+    def _listening(self) -> Listener:
+        if self.listener is None:  # only a contended attempt leads to a pause
+            raise RuntimeError("WaitSession.pause() before a contended attempt.")
+        return self.listener
+
+    def close(self) -> None:
+        if self.listener is not None:
+            self.listener.close()
