@@ -136,12 +136,15 @@ class WakeUps:
             first = key not in self._listeners
             self._listeners.setdefault(key, {})[ticket_id] = listener
         try:
-            listener.confirmed = self._subscribe(key) if first else self._subscribed(key)
+            confirmed = self._subscribe(key) if first else self._subscribed(key)
         except Exception as exc:  # the waiter falls back to polling
             logger.warning("Wake-ups of %s unavailable (%r); waiting by polling.", self.name, exc)
-        if listener.confirmed:
-            # A confirmation that arrived while we waited for it may have woken the
-            # listener; no release can be meant for it yet (its ticket is not queued).
+            return listener
+        if confirmed:
+            # Never set back to False: a confirmation may have crossed this call. One
+            # that arrived while we waited may have woken the listener; no release can
+            # be meant for it yet (its ticket is not queued).
+            listener.confirmed = True
             listener.discard_wake()
         return listener
 
