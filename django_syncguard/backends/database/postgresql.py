@@ -34,16 +34,14 @@ from .operations import (
     fetch_value,
     row_count,
 )
+from .sql import LOCK_CLASS, NOW_MS
 from .wakeups import DatabaseWakeUps, PostgresWakeUps, delivers_notifications
-
-# Server time in whole Unix milliseconds, read when the statement runs.
-NOW_MS = "floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint"
 
 NOW = f"SELECT {NOW_MS}"
 
-# Functions installed by migrations 0002 and 0005. Acquire's status is LOCKED, ACQUIRED
-# or FENCE_OVERFLOW (with the ticket's queue position); release's and extend's: 1 =
-# done, 2 = expired, 0 = not found.
+# Functions installed by migrations 0002 and 0005 (their SQL: sql/0002/, sql/0005/).
+# Acquire's status is LOCKED, ACQUIRED or FENCE_OVERFLOW (with the ticket's queue
+# position); release's and extend's: 1 = done, 2 = expired, 0 = not found.
 ACQUIRE = "SELECT * FROM syncguard_acquire(%s, %s, %s, %s, %s, %s, %s, %s, %s)"
 RELEASE = "SELECT syncguard_release(%s, %s)"
 EXTEND = "SELECT * FROM syncguard_extend(%s, %s, %s)"
@@ -98,7 +96,7 @@ doomed AS (
         SELECT l.key FROM syncguard_locks l, t WHERE l.expires_at_ms < t.cutoff
         ORDER BY l.expires_at_ms LIMIT %s OFFSET 0
     ) c
-    WHERE pg_try_advisory_xact_lock(1937337447, hashtext(c.key))
+    WHERE pg_try_advisory_xact_lock({LOCK_CLASS}, hashtext(c.key))
 )
 DELETE FROM syncguard_locks l USING t
 WHERE l.key IN (SELECT key FROM doomed) AND l.expires_at_ms < t.cutoff
