@@ -28,11 +28,11 @@ from django.db import connections
 
 from django_syncguard import InvalidArgument, current_lock, generate_lock_id, lock, signals
 from django_syncguard.backends.database import DatabaseBackend
-from django_syncguard.backends.database import wakeups as wakeups_module
 from django_syncguard.backends.database.sqlite import QUEUE, queue_file
 from django_syncguard.backends.database.wakeups import DEAF_WARNING, channel_name
 from django_syncguard.results import AcquireResult
 from django_syncguard.waiting import WaitTicket
+from django_syncguard.waiting import channels as channels_module
 from tests.support import wakeup_workers
 from tests.support.faults import wait_until
 from tests.support.proxy import FaultProxy
@@ -416,7 +416,7 @@ def test_a_withdrawal_wakes_the_next_waiter(pg, other):
 
 @on_postgres
 def test_a_channel_nobody_waits_on_is_unlistened_later(pg, monkeypatch):
-    monkeypatch.setattr(wakeups_module, "IDLE_CHANNEL_S", 0.0)
+    monkeypatch.setattr(channels_module, "IDLE_CHANNEL_S", 0.0)
     wake_ups = pg.wake_ups
     listener = wake_ups.listen("wake:unused", generate_lock_id())
     wake_ups.queued("wake:unused")
