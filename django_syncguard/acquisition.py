@@ -21,7 +21,7 @@ from typing import Any, Literal, TypedDict
 from . import signals
 from .cancellation import CancelToken, validate_cancel
 from .constants import DEFAULT_TTL_MS
-from .contract import LockBackend
+from .contract import LockBackend, QueueingBackend, queues_of
 from .errors import AcquisitionTimeout, InvalidArgument
 from .handler import resolve_backend
 from .keys import hash_key, normalize_and_validate_key
@@ -157,26 +157,28 @@ class LockSpec:
                 self._release_failed(exc, lease)
 
     def _take(self, backend: LockBackend, key: str, attempts: _Attempts) -> AcquireResult:
-        """One attempt (``"skip"``, ``"raise"``), or the waiting loop with a queue ticket
-        and wake-ups when the backend offers them (``"wait"``). Signals count attempts
-        as the retry loop does: the queueing request a wait session adds to its first
-        contended attempt is part of that attempt."""
-
-        def request(ticket: WaitTicket | None = None) -> AcquireResult:
-            extra = {} if ticket is None else {"ticket": ticket}
-            return backend.acquire(key, self.ttl_ms, cancel=self.cancel, **extra)
+        """One attempt (``"skip"``, ``"raise"``), or the waiting loop, with a queue
+        ticket and wake-ups when the backend keeps queues (``"wait"``). Signals count
+        attempts as the retry loop does: the queueing request a wait session adds to
+        its first contended attempt is part of that attempt."""
 
         def counted(result: AcquireResult) -> AcquireResult:
             signals.send(attempts.count(result))
             return result
 
-        if self.on_contended != "wait":
-            return self._checked_single(counted(request()), key)
-        wake_ups = getattr(backend, "wake_ups", None)
-        if wake_ups is None:
-            return acquire_with_retry(
-                lambda: counted(request()), self.policy, key=key, cancel=self.cancel
-            )
+        def plain() -> AcquireResult:
+            return counted(backend.acquire(key, self.ttl_ms, cancel=self.cancel))
+
+        queues = queues_of(backend) if self.on_contended == "wait" else None
+        if queues is None:
+            if self.on_contended != "wait":
+                return self._checked_single(plain(), key)
+            return acquire_with_retry(plain, self.policy, key=key, cancel=self.cancel)
+        queueing, wake_ups = queues
+
+        def request(ticket: WaitTicket | None) -> AcquireResult:
+            return queueing.acquire(key, self.ttl_ms, cancel=self.cancel, ticket=ticket)
+
         session = WaitSession(wake_ups, key)
         try:
             return acquire_with_retry(
@@ -187,7 +189,7 @@ class LockSpec:
                 session=session,
             )
         except BaseException:
-            _withdraw(backend, key, session)
+            _withdraw(queueing, key, session)
             raise
         finally:
             session.close()
@@ -195,22 +197,24 @@ class LockSpec:
     async def _atake(self, backend: LockBackend, key: str, attempts: _Attempts) -> AcquireResult:
         """Async twin of :meth:`_take`."""
 
-        async def request(ticket: WaitTicket | None = None) -> AcquireResult:
-            extra = {} if ticket is None else {"ticket": ticket}
-            return await backend.aacquire(key, self.ttl_ms, cancel=self.cancel, **extra)
-
         async def counted(pending: Awaitable[AcquireResult]) -> AcquireResult:
             result = await pending
             await signals.asend(attempts.count(result))
             return result
 
-        if self.on_contended != "wait":
-            return self._checked_single(await counted(request()), key)
-        wake_ups = getattr(backend, "wake_ups", None)
-        if wake_ups is None:
-            return await aacquire_with_retry(
-                lambda: counted(request()), self.policy, key=key, cancel=self.cancel
-            )
+        def plain() -> Awaitable[AcquireResult]:
+            return counted(backend.aacquire(key, self.ttl_ms, cancel=self.cancel))
+
+        queues = queues_of(backend) if self.on_contended == "wait" else None
+        if queues is None:
+            if self.on_contended != "wait":
+                return self._checked_single(await plain(), key)
+            return await aacquire_with_retry(plain, self.policy, key=key, cancel=self.cancel)
+        queueing, wake_ups = queues
+
+        async def request(ticket: WaitTicket | None) -> AcquireResult:
+            return await queueing.aacquire(key, self.ttl_ms, cancel=self.cancel, ticket=ticket)
+
         session = WaitSession(wake_ups, key)
         try:
             return await aacquire_with_retry(
@@ -222,7 +226,7 @@ class LockSpec:
             )
         except BaseException:
             # Shielded: a cancelled waiter still gives its place up.
-            await asyncio.shield(_awithdraw(backend, key, session))
+            await asyncio.shield(_awithdraw(queueing, key, session))
             raise
         finally:
             session.close()
@@ -280,7 +284,7 @@ OPTION_NAMES = frozenset(LockOptions.__annotations__)
 RETRY_OPTIONS = frozenset(f.name for f in fields(RetryPolicy))
 
 
-def _withdraw(backend: Any, key: str, session: WaitSession) -> None:
+def _withdraw(backend: QueueingBackend, key: str, session: WaitSession) -> None:
     """Give up a queued ticket (best effort: an unreachable server drops it by its
     patience)."""
     if not session.queued or session.ticket is None:
@@ -291,7 +295,7 @@ def _withdraw(backend: Any, key: str, session: WaitSession) -> None:
         logger.debug("Withdrawing a wait ticket on key %s failed: %r", hash_key(key), exc)
 
 
-async def _awithdraw(backend: Any, key: str, session: WaitSession) -> None:
+async def _awithdraw(backend: QueueingBackend, key: str, session: WaitSession) -> None:
     if not session.queued or session.ticket is None:
         return
     try:

@@ -11,7 +11,7 @@ protocol, and the telemetry wrapper implements it by forwarding. See
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from typing import Any, Final, Protocol
+from typing import TYPE_CHECKING, Any, Final, Protocol, cast
 
 from .results import (
     AcquireResult,
@@ -22,6 +22,9 @@ from .results import (
     LockPage,
     ReleaseResult,
 )
+
+if TYPE_CHECKING:
+    from .waiting import WaitTicket, WakeUps
 
 
 def missing_operations(backend_cls: type) -> list[str]:
@@ -128,6 +131,51 @@ class LockBackend(Protocol):
     def deploy_check(self) -> list[Any]: ...
 
     def close(self, **kwargs: Any) -> None: ...
+
+
+class QueueingBackend(LockBackend, Protocol):
+    """A backend that keeps a queue of waiters per key (``specs/contract.md``, Waiting).
+
+    A waiter's attempts carry its :class:`~django_syncguard.waiting.WaitTicket`; a
+    release wakes the first live ticket through :attr:`wake_ups`, and a waiter that
+    gives up withdraws its ticket. ``wake_ups`` is ``None`` while queues are off for
+    the alias (``OPTIONS["WAKE_UPS"] = False``): waiters then back off on the timer.
+    """
+
+    @property
+    def wake_ups(self) -> WakeUps | None: ...
+
+    def acquire(
+        self,
+        key: str,
+        ttl_ms: int = ...,
+        *,
+        cancel: Any = None,
+        ticket: WaitTicket | None = None,
+    ) -> AcquireResult: ...
+
+    async def aacquire(
+        self,
+        key: str,
+        ttl_ms: int = ...,
+        *,
+        cancel: Any = None,
+        ticket: WaitTicket | None = None,
+    ) -> AcquireResult: ...
+
+    def withdraw(self, key: str, ticket_id: str) -> None: ...
+
+    async def awithdraw(self, key: str, ticket_id: str) -> None: ...
+
+
+def queues_of(backend: LockBackend) -> tuple[QueueingBackend, WakeUps] | None:
+    """``backend`` as a :class:`QueueingBackend`, with its wake-ups, when it keeps
+    queues now; ``None`` for a backend without (a third-party one written to
+    :class:`LockBackend`) or with queues turned off. The one place that asks."""
+    wake_ups = getattr(backend, "wake_ups", None)
+    if wake_ups is None or not callable(getattr(backend, "withdraw", None)):
+        return None
+    return cast(QueueingBackend, backend), wake_ups
 
 
 #: The operations a class must define to be configured as a ``BACKEND``: the
