@@ -94,8 +94,8 @@ class PrivateConnections:
             self._open.add(wrapper)
             # Thread-per-request servers start and end threads all the time: close a
             # thread's connection once its thread is gone, rather than leak it. Only
-            # in this process: in a forked child, the parent's other threads' objects
-            # go at the fork, and their connections are the parent's.
+            # in this process: a forked child inherits the finalizer (it runs at the
+            # child's exit at the latest), and the connection is the parent's.
             weakref.finalize(threading.current_thread(), close_if_ours, os.getpid(), wrapper)
         return wrapper
 
