@@ -3,8 +3,9 @@
 ``tests.settings``, plus what the environment of
 :meth:`tests.support.celery_worker.CeleryWorker.env` says: the port of the session's
 redis-server (broker, results and the ``tasks`` lock alias) and where the PostgreSQL
-test database runs. The Celery settings come from the same function the test process
-uses (:func:`tests.support.celery_worker.celery_conf`).
+test database runs (the ``tasks-db`` lock alias locks in it). The Celery settings
+come from the same function the test process uses
+(:func:`tests.support.celery_worker.celery_conf`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import os
 from tests.settings import *  # noqa: F403
 from tests.settings import DATABASES, SYNCGUARD_BACKENDS
 from tests.support.celery_worker import (
+    DB_LOCK_ALIAS,
     ENV_NAME,
     ENV_PG_NAME,
     ENV_PG_PORT,
@@ -21,6 +23,7 @@ from tests.support.celery_worker import (
     ENV_VISIBILITY,
     LOCK_ALIAS,
     celery_conf,
+    database_lock_backend,
     lock_backend,
 )
 
@@ -30,7 +33,11 @@ _visibility = os.environ.get(ENV_VISIBILITY)
 # The test database pytest-django created on the session's PostgreSQL.
 DATABASES["postgres"] |= {"NAME": os.environ[ENV_PG_NAME], "PORT": os.environ[ENV_PG_PORT]}
 
-SYNCGUARD_BACKENDS = {**SYNCGUARD_BACKENDS, LOCK_ALIAS: lock_backend(_redis_port)}
+SYNCGUARD_BACKENDS = {
+    **SYNCGUARD_BACKENDS,
+    LOCK_ALIAS: lock_backend(_redis_port),
+    DB_LOCK_ALIAS: database_lock_backend(),
+}
 
 for _name, _value in celery_conf(
     _redis_port, os.environ[ENV_NAME], float(_visibility) if _visibility else None

@@ -20,13 +20,21 @@ import redis
 from billiard.exceptions import WorkerLostError
 from django.db import connections
 
-from django_syncguard import AcquisitionTimeout, locked, locks
-from tests.support.celery_worker import BROKER_DB, LOCK_ALIAS, CeleryWorker, lock_backend
+from django_syncguard import AcquisitionTimeout, format_fence, locked, locks
+from tests.support.celery_worker import (
+    BROKER_DB,
+    DB_LOCK_ALIAS,
+    LOCK_ALIAS,
+    CeleryWorker,
+    database_lock_backend,
+    lock_backend,
+)
 from tests.support.faults import wait_until
 from tests.support.servers import RedisServer, start_or_skip
 from tests.testapp.models import ExclusiveMarker, Invoice, Payment, TaskEvent
 from tests.testapp.tasks import (
     DB,
+    count_in_database_lock,
     exclusive_section,
     hold_until_gate,
     pay_after_stall,
@@ -81,6 +89,12 @@ def worker(shared_worker: CeleryWorker) -> CeleryWorker:
 def own_worker(request: pytest.FixtureRequest) -> Iterator[CeleryWorker]:
     """A worker for this test alone (one of its processes gets killed)."""
     yield from started_worker(request)
+
+
+@pytest.fixture
+def forking_worker(request: pytest.FixtureRequest) -> Iterator[CeleryWorker]:
+    """A worker whose main process locked in the database before its pool forked."""
+    yield from started_worker(request, lock_before_fork=True)
 
 
 @pytest.fixture
@@ -325,3 +339,36 @@ def test_stale_run_fenced_write_is_refused_after_the_redelivered_run_wrote(
         f"{result.id}/{wrote.pid}",
         wrote.fence,
     )
+
+
+def test_pool_children_forked_after_the_main_process_locked_lock_on_their_own_connections(
+    forking_worker: CeleryWorker, gates: redis.Redis, settings
+) -> None:
+    """The fork rule (issue 20, defect 2): the main process locked on the database
+    backend before the pool forked; both children then lock at once, each on a
+    connection of its own (a shared one mixes up their replies)."""
+    settings.SYNCGUARD_BACKENDS = {
+        **settings.SYNCGUARD_BACKENDS,
+        DB_LOCK_ALIAS: database_lock_backend(),
+    }
+    with locked(f"before-the-fork:{forking_worker.name}", using=DB_LOCK_ALIAS) as after:
+        assert after.fence == "000000000000002"  # the main process held it first
+    key, runs = unique_key(), 6
+    with locked(f"forked:{key}", using=DB_LOCK_ALIAS) as ours:
+        results = [count_in_database_lock.delay(key) for _ in range(runs)]
+        wait_until(
+            lambda: len({e.pid for e in events(event="contended")}) == 2,
+            PATIENCE_S,
+            "both worker processes wait for the lock",
+        )
+    outcomes = [r.get(timeout=PATIENCE_S) for r in results]
+
+    journal = [(e.event, e.task_id, e.fence) for e in events(event__in=["entered", "left"])]
+    expected = [format_fence(int(ours.fence) + i) for i in range(1, runs + 1)]
+    assert [fence for event, _, fence in journal[::2]] == expected
+    assert journal[1::2] == [("left", task_id, fence) for _, task_id, fence in journal[::2]]
+    assert sorted(task_id for _, task_id, _ in journal[::2]) == sorted(r.id for r in results)
+    assert sorted(outcomes) == expected
+    assert int(gates.get(f"sgcelery-count:{key}")) == runs
+    held_by = {e.pid for e in events(event="entered")}
+    assert held_by == {e.pid for e in events(event="contended")} and len(held_by) == 2

@@ -33,6 +33,7 @@ from ..contract import SanitizedLookups
 from ..errors import Internal, InvalidArgument
 from ..fencing import check_fence
 from ..keys import normalize_and_validate_key, validate_lock_id
+from ..lifecycle import track
 from ..results import (
     AcquireResult,
     Capabilities,
@@ -169,6 +170,7 @@ class BaseLockBackend(SanitizedLookups, ABC):
         self.operation_timeout_ms = option_ms(
             self.options, "OPERATION_TIMEOUT_MS", DEFAULT_OPERATION_TIMEOUT_MS
         )
+        track(self)  # a forked child resets this backend (reset_after_fork)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} alias={self.alias!r}>"
@@ -403,6 +405,18 @@ class BaseLockBackend(SanitizedLookups, ABC):
         built: WakeUps | None = self.__dict__.pop("_wake_ups_built", None)
         if built is not None:
             built.close()
+
+    def reset_after_fork(self) -> None:
+        """In a forked child (called by :mod:`~django_syncguard.lifecycle`, before the
+        child runs code of its own): the parent's clients are forgotten, never closed,
+        and the next call opens the child's own. Locks a parent thread may have held
+        at the fork are replaced, not taken."""
+        self._wake_ups_mutex = threading.Lock()
+        self._forget_clients_after_fork()
+
+    def _forget_clients_after_fork(self) -> None:
+        """Drop the clients inherited from the parent without closing them (a backend
+        whose client library does not notice the fork by itself overrides this)."""
 
     def _make_wake_ups(self) -> WakeUps | None:
         """Build this backend's :class:`~django_syncguard.waiting.WakeUps` (``None``:

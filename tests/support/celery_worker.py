@@ -34,6 +34,8 @@ from tests.support.servers import (
 
 #: The alias of ``SYNCGUARD_BACKENDS`` the tasks of ``tests/testapp/tasks.py`` lock on.
 LOCK_ALIAS = "tasks"
+#: The alias of the tasks that lock in the PostgreSQL test database instead.
+DB_LOCK_ALIAS = "tasks-db"
 #: Prefix of the lock keys (and of the tasks' gates) in redis-server's database 0.
 LOCK_PREFIX = "sgcelery"
 #: redis-server's database numbers: the broker's messages and the tasks' results.
@@ -47,6 +49,9 @@ ENV_PG_PORT = "SYNCGUARD_CELERY_PG_PORT"
 ENV_PG_NAME = "SYNCGUARD_CELERY_PG_NAME"
 ENV_NAME = "SYNCGUARD_CELERY_NAME"
 ENV_VISIBILITY = "SYNCGUARD_CELERY_VISIBILITY_TIMEOUT_S"
+#: Set: the worker's main process locks on :data:`DB_LOCK_ALIAS` before its pool
+#: forks (``tests/celery_app.py``).
+ENV_LOCK_BEFORE_FORK = "SYNCGUARD_CELERY_LOCK_BEFORE_FORK"
 
 
 def redis_url(port: int, db: int) -> str:
@@ -63,6 +68,15 @@ def lock_backend(redis_port: int) -> dict[str, Any]:
         "LOCATION": redis_url(redis_port, 0),
         "KEY_PREFIX": LOCK_PREFIX,
         "OPTIONS": {"OPERATION_TIMEOUT_MS": 500},
+    }
+
+
+def database_lock_backend() -> dict[str, Any]:
+    """``SYNCGUARD_BACKENDS[DB_LOCK_ALIAS]``: the database backend on the ``postgres``
+    alias (the test database), in the worker and in the test process."""
+    return {
+        "BACKEND": "django_syncguard.backends.database.DatabaseBackend",
+        "OPTIONS": {"DATABASE": "postgres"},
     }
 
 
@@ -103,6 +117,9 @@ class CeleryWorker(InTempRoot):
     postgres_port: int
     database: str
     visibility_timeout_s: float | None = None
+    #: Whether the main process takes a lock on :data:`DB_LOCK_ALIAS` before its
+    #: pool forks (the children then inherit its connection).
+    lock_before_fork: bool = False
     name: str = field(default_factory=lambda: f"sgw{uuid.uuid4().hex[:10]}")
     root: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="syncguard-celery-")))
     process: subprocess.Popen[bytes] | None = None
@@ -133,6 +150,8 @@ class CeleryWorker(InTempRoot):
         }
         if self.visibility_timeout_s is not None:
             extra[ENV_VISIBILITY] = str(self.visibility_timeout_s)
+        if self.lock_before_fork:
+            extra[ENV_LOCK_BEFORE_FORK] = "1"
         return child_env(**extra)
 
     def client(self) -> Any:

@@ -32,7 +32,7 @@ from django_syncguard import (
     locked,
     signals,
 )
-from tests.support.celery_worker import LOCK_ALIAS
+from tests.support.celery_worker import DB_LOCK_ALIAS, LOCK_ALIAS
 from tests.testapp.models import ExclusiveMarker, Invoice, Payment, TaskEvent
 
 DB = "postgres"
@@ -88,7 +88,7 @@ def _on_prerun(task: Any, **kwargs: Any) -> None:
 
 
 def _on_contended(alias: str, attempt: int, **kwargs: Any) -> None:
-    if alias == LOCK_ALIAS:
+    if alias in (LOCK_ALIAS, DB_LOCK_ALIAS):
         record("contended", attempt=attempt)
 
 
@@ -184,6 +184,20 @@ def skip_when_held(key: str) -> str:
     """Returns ``None`` without running when ``key`` is held."""
     record("held", held_fence())
     return "ran"
+
+
+@shared_task
+@locked("forked:<key>", using=DB_LOCK_ALIAS, **WAIT)
+def count_in_database_lock(key: str) -> str:
+    """Locks in the PostgreSQL test database, from a pool child forked after the main
+    process locked there: journal the section, and add one to a counter by reading it
+    then writing it (an overlap would lose an update). Returns the fence."""
+    fence = held_fence()
+    record("entered", fence)
+    counter = f"sgcelery-count:{key}"
+    gate_client().set(counter, int(gate_client().get(counter) or 0) + 1)
+    record("left", fence)
+    return fence
 
 
 RAISE_AND_RETRY = {

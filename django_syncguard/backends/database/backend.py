@@ -122,6 +122,11 @@ class DatabaseBackend(BatchedCleanup, BaseLockBackend):
         super().close()
         self.connections.close()
 
+    def _forget_clients_after_fork(self) -> None:
+        # The per-thread connections have no PID check of their own: without this,
+        # the child would talk on the parent's sockets.
+        self.connections.forget_after_fork()
+
     # ------------------------------------------------------------- wake-ups
     def _make_wake_ups(self) -> WakeUps:
         return self.ops.make_wake_ups(self.alias, self._wake_up_hooks())

@@ -6,8 +6,10 @@ transaction. It is opened on first use and kept until ``close()``, or closed aft
 a connection error so that the next call reconnects. On a database across a
 network (PostgreSQL), every wait for a reply is bounded, an idle connection that the
 server or a proxy ended is noticed before a call is sent on it, and statements go
-through a reused driver cursor unless something watches the queries. See
-``specs/backends/database.md``, Connections and transactions.
+through a reused driver cursor unless something watches the queries. In a forked
+child, the parent's connections are forgotten, never closed, and the child opens its
+own (:meth:`PrivateConnections.forget_after_fork`; see :mod:`django_syncguard.lifecycle`).
+See ``specs/backends/database.md``, Connections and transactions.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from django.db import connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from ...errors import Internal, NetworkTimeout, ServiceUnavailable
+from ...lifecycle import abandon
 from .errors import map_database_error
 from .operations import DatabaseOperations
 
@@ -90,8 +93,10 @@ class PrivateConnections:
             self._local.connection = wrapper
             self._open.add(wrapper)
             # Thread-per-request servers start and end threads all the time: close a
-            # thread's connection once its thread is gone, rather than leak it.
-            weakref.finalize(threading.current_thread(), close_quietly, wrapper)
+            # thread's connection once its thread is gone, rather than leak it. Only
+            # in this process: a forked child inherits the finalizer (it runs at the
+            # child's exit at the latest), and the connection is the parent's.
+            weakref.finalize(threading.current_thread(), close_if_ours, os.getpid(), wrapper)
         return wrapper
 
     def dedicated(self, database: str, application_name: str) -> BaseDatabaseWrapper:
@@ -137,6 +142,15 @@ class PrivateConnections:
         """Close every private connection opened here, in any thread."""
         for wrapper in list(self._open):
             close_quietly(wrapper)
+        self._open = weakref.WeakSet()
+        self._local = _PerThread()
+
+    def forget_after_fork(self) -> None:
+        """In a forked child: drop every connection inherited from the parent without
+        closing it (a close would end the parent's session: libpq sends Terminate),
+        so that each thread opens its own on first use."""
+        for wrapper in list(self._open):
+            abandon(wrapper)
         self._open = weakref.WeakSet()
         self._local = _PerThread()
 
@@ -278,6 +292,15 @@ def server_binding_cursor(raw: Any) -> Any:
 
         return psycopg.Cursor(raw)
     return raw.cursor()
+
+
+def close_if_ours(pid: int, wrapper: BaseDatabaseWrapper) -> None:
+    """:func:`close_quietly` in process ``pid``, the one that opened ``wrapper``; in a
+    forked child, keep it untouched instead (see :mod:`django_syncguard.lifecycle`)."""
+    if os.getpid() == pid:
+        close_quietly(wrapper)
+    else:
+        abandon(wrapper)
 
 
 def close_quietly(wrapper: BaseDatabaseWrapper) -> None:
