@@ -53,6 +53,8 @@ from typing import cast
 from django.db import connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 
+from .lifecycle import track
+
 logger = logging.getLogger("django_syncguard.transactions")
 
 #: How often the watcher looks for transactions that ended without running our hook.
@@ -110,8 +112,11 @@ class _Pending:
         self._release = release
         self._count = count
         self._mutex = threading.Lock()
+        self._pid = os.getpid()
 
     def one_ended(self) -> None:
+        if os.getpid() != self._pid:
+            return  # a forked child's copy (its exit runs the hooks): the parent's to end
         with self._mutex:
             self._count -= 1
             last = self._count == 0
@@ -146,6 +151,7 @@ class _Watcher:
 
     def __init__(self) -> None:
         self._reset()
+        track(self)
 
     def _reset(self) -> None:
         self._pid = os.getpid()

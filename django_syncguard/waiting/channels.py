@@ -16,10 +16,11 @@ to connect, subscribe, unsubscribe and read.
   longer needed, so a channel re-subscribed before its unsubscription went out costs
   nothing.
 * **Confirmation**: a listener counts as subscribed once the server confirmed its
-  channel. A transport that ``confirms_on_listen`` makes :meth:`listen` wait for
-  that (Redis, Firestore: cheap to confirm); otherwise (PostgreSQL) the listener is
-  confirmed later and woken once, so that it tries again at once: a release before
-  the subscription is seen by that attempt, one after it is heard.
+  channel. A transport that ``confirms_on_listen`` makes :meth:`listen` subscribe
+  and wait for that (Redis, Firestore: cheap to confirm); otherwise (PostgreSQL) the
+  channel is asked for when the backend queues the ticket (:meth:`queued`, no wait),
+  and the listener is confirmed later and woken once, so that it tries again at once:
+  a release before the subscription is seen by that attempt, one after it is heard.
 * **Idle channels**: a channel whose last local waiter left stays subscribed for
   :data:`IDLE_CHANNEL_S` (at most the transport's ``idle_cap`` such channels, the
   longest idle go first), so a hot key costs no subscription per cycle.
@@ -47,8 +48,9 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
+from ..lifecycle import abandon
 from .listeners import WakeUps
 
 logger = logging.getLogger("django_syncguard.waiting.channels")
@@ -63,11 +65,6 @@ RECONNECT_MAX_S = 2.0
 REFUSED_RETRY_S = 60.0
 #: The thread looks at its idle channels and the connection's health this often at least.
 MAX_SELECT_S = 60.0
-
-#: Connections a forked child inherited: kept referenced for good, so that their
-#: finalizers never run in the child (a driver's finalizer may end the session, which
-#: is the parent's).
-_INHERITED: list[Any] = []
 
 
 class State(enum.Enum):
@@ -242,10 +239,24 @@ class ChannelWorker(WakeUps):
 
     # ------------------------------------------------------------ channel hooks
     def _subscribe(self, key: str) -> bool:
-        return self.want(key, wait=self.transport.confirms_on_listen)
+        if self.transport.confirms_on_listen:
+            return self.want(key, wait=True)
+        # Asked for by the backend when the ticket is queued (see queued).
+        channel = self.transport.channel(key)
+        with self._cond:
+            if self._state is State.CONNECTED and channel in self._confirmed:
+                self._idle.pop(channel, None)
+                return True
+            return False
 
     def _subscribed(self, key: str) -> bool:
-        return self.want(key, wait=self.transport.confirms_on_listen)
+        return self._subscribe(key)
+
+    def queued(self, key: str) -> None:
+        """A waiter of this process has just found ``key`` held: make sure its channel
+        is subscribed (a transport that does not confirm on listen subscribes here, so
+        that an attempt that finds the key free costs nothing)."""
+        self.want(key, wait=False)
 
     def want(self, key: str, *, wait: bool) -> bool:
         """Ask the thread to subscribe ``key``'s channel; with ``wait``, block (at
@@ -318,7 +329,7 @@ class ChannelWorker(WakeUps):
     def reset_after_fork(self) -> None:
         # The parent's thread does not exist here; its connection is the parent's.
         if self._connection is not None:
-            _INHERITED.append(self._connection)
+            abandon(self._connection)  # never closed nor finalized here
         for end in (self._poke_r, self._poke_w):
             with contextlib.suppress(OSError):
                 end.close()  # this process's copies: the parent keeps its own

@@ -23,6 +23,7 @@ import threading
 import time
 
 from ..cancellation import CancelToken, check_cancel
+from ..lifecycle import track
 
 logger = logging.getLogger("django_syncguard.waiting")
 
@@ -123,6 +124,7 @@ class WakeUps:
         self._mutex = threading.RLock()
         self._listeners: dict[str, dict[str, Listener]] = {}
         self._pid = os.getpid()
+        track(self)  # reset in a forked child (and lazily, should a fork escape the hook)
 
     @property
     def connected(self) -> bool:

@@ -33,6 +33,7 @@ from django.db.backends.signals import connection_created
 from ...constants import TIME_TOLERANCE_MS
 from ...errors import NetworkTimeout, ServiceUnavailable
 from ...fencing import FENCE_MAX, format_fence
+from ...lifecycle import track
 from ...liveness import Clock, is_live, system_clock_ms
 from ...results import TimeAuthority
 from ...waiting import Queue, WaitTicket, queue_admits, queue_head
@@ -385,7 +386,7 @@ class SqliteOperations(DatabaseOperations):
     def _wake_next(self, key: str, storage_key: str, now: int) -> None:
         """Wake the first live waiter of the free ``key``, if it waits in this process
         (no other process can be reached: they poll)."""
-        wake_ups = _local_wake_ups.get(queue_file(self._name())) if self.queues else None
+        wake_ups = _local_wake_ups.by_path.get(queue_file(self._name())) if self.queues else None
         if wake_ups is None or not wake_ups.waiting_on(key):
             return
         head = queue_head(self.run(lambda c: _read_queue(c, storage_key)), now)
@@ -396,8 +397,8 @@ class SqliteOperations(DatabaseOperations):
         # One registry per database file in this process: a release through any backend
         # on the file wakes the waiters of every other.
         path = queue_file(self._name())
-        with _local_wake_ups_mutex:
-            return _local_wake_ups.setdefault(path, LocalWakeUps(f"sqlite:{path}"))
+        with _local_wake_ups.mutex:
+            return _local_wake_ups.by_path.setdefault(path, LocalWakeUps(f"sqlite:{path}"))
 
     def extend(self, lock_id: str, ttl_ms: int) -> tuple[int | None, bool]:
         now = self.clock()
@@ -496,9 +497,21 @@ def _write_queue(cursor: Any, storage_key: str, before: Queue, after: Queue) -> 
     return bool(gone or changed)
 
 
-#: The in-process wake-ups of each SQLite database file (see make_wake_ups).
-_local_wake_ups: dict[str, LocalWakeUps] = {}
-_local_wake_ups_mutex = threading.Lock()
+class _LocalRegistries:
+    """The in-process wake-ups of each SQLite database file (see make_wake_ups)."""
+
+    def __init__(self) -> None:
+        self.by_path: dict[str, LocalWakeUps] = {}
+        self.mutex = threading.Lock()
+        track(self)
+
+    def reset_after_fork(self) -> None:
+        # A parent thread may have held the mutex at the fork; the registries in the
+        # dict reset themselves (each is tracked too).
+        self.mutex = threading.Lock()
+
+
+_local_wake_ups = _LocalRegistries()
 
 
 def _with_busy_timeout(timeout_ms: int, work: Callable[[Any], T], cursor: Any) -> T:

@@ -10,9 +10,10 @@ delivers it when the release commits. :class:`PostgresWakeUps` is the package's
 those of ``OPTIONS["LISTEN_DATABASE"]``) on which the worker's thread runs ``LISTEN``
 and ``UNLISTEN`` and reads notifications.
 
-A key's channel is asked for when a waiter of this process registers, which happens
-only once an attempt found the key held: most lock calls find it free and pay nothing.
-The waiter does not wait for the ``LISTEN``: until the server has confirmed it, its
+A key's channel is asked for when a waiter of this process first finds the key held
+(:meth:`~django_syncguard.waiting.channels.ChannelWorker.queued`, called by the
+backend's acquire): most lock calls find it free and pay nothing. The waiter does not
+wait for the ``LISTEN``: until the server has confirmed it, its
 listener is not healthy, so it polls; on confirmation it counts as subscribed and is
 woken once, so it tries again right away: a release before the LISTEN is seen by that
 attempt, one after it is heard.
@@ -224,9 +225,6 @@ class PostgresWakeUps(ChannelWorker, DatabaseWakeUps):
     ) -> None:
         transport = PostgresTransport(name, connect=connect, probe=probe, storage_key=storage_key)
         super().__init__(name, transport, timeout_s=reply_timeout_s)
-
-    def queued(self, key: str) -> None:
-        self.want(key, wait=False)
 
     @property
     def backend_pid(self) -> int | None:
