@@ -1,0 +1,59 @@
+"""Closing a client that belongs to an event loop, from whatever thread closes the backend.
+
+Async drivers (redis.asyncio, gRPC's asyncio channels) bind a client to the event
+loop that built it, so the backends keep one client per loop and must close each on
+its own loop; :meth:`~django_syncguard.backends.base.BaseLockBackend.close` is
+synchronous and may run on any thread, inside or outside that loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+logger = logging.getLogger("django_syncguard.backends")
+
+#: Closes scheduled on the caller's own running loop: kept until done, since the
+#: loop holds its tasks only weakly.
+_pending: set[asyncio.Task[Any]] = set()
+
+
+def close_on_loop(
+    loop: asyncio.AbstractEventLoop,
+    closing: Callable[[], Coroutine[Any, Any, Any]],
+    timeout_s: float,
+) -> None:
+    """Run ``closing()`` on ``loop``, the loop its client belongs to.
+
+    - a closed loop runs nothing any more: its sockets are closed when the client is
+      garbage-collected;
+    - the caller's own running loop: a task, which runs at the caller's next await
+      (a synchronous caller cannot wait for it without blocking its own loop);
+    - a loop running on another thread: there, waiting at most ``timeout_s``;
+    - a loop that is not running: run on this thread until the close is done.
+    """
+    if loop.is_closed():
+        return
+    try:
+        running: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+    except RuntimeError:
+        running = None
+    try:
+        if running is loop:
+            task = loop.create_task(closing())
+            _pending.add(task)
+            task.add_done_callback(_pending.discard)
+        elif loop.is_running():
+            future = asyncio.run_coroutine_threadsafe(closing(), loop)
+            future.result(timeout_s)
+        elif running is None:
+            loop.run_until_complete(closing())
+        else:  # this thread runs another loop: it cannot run ``loop`` too
+            logger.debug("An async client of a loop that does not run was left to the GC.")
+    except (TimeoutError, RuntimeError) as exc:
+        # The loop is busy or stopped meanwhile: the client goes with the garbage.
+        logger.debug("Closing an async client on its event loop failed: %r", exc)
+    except Exception as exc:  # a connection that broke is closed already
+        logger.debug("Closing an async client raised: %r", exc)
