@@ -9,6 +9,7 @@ synchronous and may run on any thread, inside or outside that loop.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -40,20 +41,34 @@ def close_on_loop(
         running: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
     except RuntimeError:
         running = None
+    if running is not loop and not loop.is_running() and running is not None:
+        # This thread runs another loop: it cannot run ``loop`` too.
+        logger.debug("An async client of a loop that does not run was left to the GC.")
+        return
+    coroutine = closing()
     try:
         if running is loop:
-            task = loop.create_task(closing())
+            task = loop.create_task(coroutine)
             _pending.add(task)
             task.add_done_callback(_pending.discard)
         elif loop.is_running():
-            future = asyncio.run_coroutine_threadsafe(closing(), loop)
-            future.result(timeout_s)
-        elif running is None:
-            loop.run_until_complete(closing())
-        else:  # this thread runs another loop: it cannot run ``loop`` too
-            logger.debug("An async client of a loop that does not run was left to the GC.")
+            asyncio.run_coroutine_threadsafe(coroutine, loop).result(timeout_s)
+        else:
+            _run_here(loop, coroutine)
     except (TimeoutError, RuntimeError) as exc:
-        # The loop is busy or stopped meanwhile: the client goes with the garbage.
+        # The loop is busy, or stopped meanwhile: the client goes with the garbage.
         logger.debug("Closing an async client on its event loop failed: %r", exc)
     except Exception as exc:  # a connection that broke is closed already
         logger.debug("Closing an async client raised: %r", exc)
+
+
+def _run_here(loop: asyncio.AbstractEventLoop, coroutine: Coroutine[Any, Any, Any]) -> None:
+    """Run a loop that is not running on this thread until ``coroutine`` is done."""
+    try:
+        loop.run_until_complete(coroutine)
+    except RuntimeError:
+        # Another thread started the loop meanwhile: the close never began, and must
+        # not warn that it was never awaited.
+        if inspect.getcoroutinestate(coroutine) == inspect.CORO_CREATED:
+            coroutine.close()
+        raise
