@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import sys
 import threading
 import time
 
 import pytest
-from google.api_core import exceptions as api
 
 from django_syncguard import (
     AuthFailed,
@@ -24,8 +24,18 @@ from django_syncguard.backends.firestore import (
     document_id,
     map_firestore_error,
 )
+from django_syncguard.backends.firestore.client import (
+    PRIVATE_ATTRIBUTES,
+    database_string,
+    document_name,
+    rpc_metadata,
+)
 from django_syncguard.handler import InvalidBackendError, LockHandler
 from tests.support.harness import FirestoreHarness
+from tests.support.servers import import_extra
+
+# Without the firestore extra the module is skipped (it fails under CI).
+api = import_extra("google.api_core.exceptions", "firestore")
 
 
 @pytest.fixture
@@ -315,3 +325,60 @@ async def test_async_twins_use_the_async_client_and_map_its_errors(fh, monkeypat
     down = FirestoreBackend("down", {"OPTIONS": {"PROJECT": "p", "OPERATION_TIMEOUT_MS": 2_000}})
     with pytest.raises((ServiceUnavailable, NetworkTimeout)):
         await down.aacquire("k", 1_000)
+
+
+def test_close_closes_the_async_client_of_every_loop(fh):
+    """``close()`` closes the gRPC channel of each loop's ``AsyncClient``, on that loop
+    (here running on another thread): the client cannot be used afterwards."""
+    from grpc.aio import UsageError
+
+    backend = fh.firestore
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    async def loop_client() -> object:
+        await backend.ais_locked("close")
+        return backend.aclient()
+
+    try:
+        client = asyncio.run_coroutine_threadsafe(loop_client(), loop).result(10)
+        backend.close()
+        read = client.collection(backend.collection).document("close").get()
+        with pytest.raises(UsageError, match=r"^Channel is closed\.$"):
+            asyncio.run_coroutine_threadsafe(read, loop).result(10)
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
+
+
+async def test_the_client_library_still_has_every_private_attribute_we_use(fh):
+    """``client.py`` reaches into google-cloud-firestore in the places listed in
+    ``PRIVATE_ATTRIBUTES``; each is named here, on a synchronous and an async client,
+    so a library upgrade that removes one fails this test rather than a lock."""
+    from google.cloud.firestore_v1 import _helpers
+
+    database = "projects/syncguard-test/databases/(default)"
+    for client in (fh.firestore.client, fh.firestore.aclient()):
+        reached = {
+            "Client._firestore_api": client._firestore_api,
+            "transport._wrapped_methods": client._firestore_api.transport._wrapped_methods,
+            "transport.listen": client._firestore_api.transport.listen,
+            "Client._rpc_metadata": client._rpc_metadata,
+            "Client._database_string": client._database_string,
+            "DocumentReference._document_path": client.document("c/d")._document_path,
+            "firestore_v1._helpers.decode_dict": _helpers.decode_dict,
+        }
+        assert sorted(reached) == sorted(name for name, _ in PRIVATE_ATTRIBUTES)
+        assert type(reached["transport._wrapped_methods"]) is dict
+        assert len(reached["transport._wrapped_methods"]) > 0
+        assert callable(reached["transport.listen"])
+        assert ("google-cloud-resource-prefix", database) in reached["Client._rpc_metadata"]
+        assert reached["Client._database_string"] == database
+        assert reached["DocumentReference._document_path"] == f"{database}/documents/c/d"
+        # The client layer's accessors give exactly these.
+        assert database_string(client) == database
+        assert document_name(client.document("c/d")) == f"{database}/documents/c/d"
+        assert rpc_metadata(client) == reached["Client._rpc_metadata"]
+    await fh.firestore.clients.aclose()

@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 
 from django_syncguard import current_lock, generate_lock_id, lock
-from django_syncguard.backends import firestore_wakeups
 from django_syncguard.backends.firestore import FirestoreBackend
+from django_syncguard.backends.firestore import wakeups as firestore_wakeups
 from django_syncguard.signals import lock_contended
 from django_syncguard.waiting import PATIENCE_MS, WaitTicket
 from tests.support import workers

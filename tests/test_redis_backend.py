@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import socket
 import sys
+import threading
 import time
+import uuid
 
 import pytest
 import redis
@@ -20,6 +22,7 @@ from django_syncguard import (
 )
 from django_syncguard.backends.redis import RedisBackend, map_redis_error
 from django_syncguard.handler import InvalidBackendError, LockHandler
+from tests.support.faults import wait_until
 from tests.support.harness import RedisHarness
 from tests.support.servers import RedisServer
 
@@ -364,3 +367,32 @@ def test_check_deploy_warns_about_redis_without_aof(settings, redis_server):
     messages = checks.run_checks(tags=["syncguard"], include_deployment_checks=True)
     assert [m.id for m in messages if m.id.startswith("syncguard.W01")] == ["syncguard.W010"]
     assert "'redis'" in next(m.msg for m in messages if m.id == "syncguard.W010")
+
+
+def test_close_closes_the_async_client_of_every_loop(redis_server):
+    """``close()`` closes the asyncio client of a loop running on another thread, on
+    that loop, as well as the synchronous pool: the server sees both go."""
+    name = f"sg-close-{uuid.uuid4().hex[:12]}"
+    options = {"CLIENT_KWARGS": {"client_name": name}}
+    backend = RedisBackend("close", {"LOCATION": redis_server.url, "OPTIONS": options})
+    observer = redis.Redis.from_url(redis_server.url)
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    def connected() -> int:
+        return sum(1 for client in observer.client_list() if client["name"] == name)
+
+    try:
+        assert backend.is_locked("k") is False
+        ais_locked = asyncio.run_coroutine_threadsafe(backend.ais_locked("k"), loop)
+        assert ais_locked.result(10) is False
+        assert connected() == 2  # the synchronous pool's connection, the loop's
+        backend.close()
+        wait_until(lambda: connected() == 0, 10, "both connections are closed")
+        assert connected() == 0
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
+        observer.close()

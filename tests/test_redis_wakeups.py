@@ -19,9 +19,9 @@ import uuid
 import pytest
 
 from django_syncguard import current_lock, generate_lock_id, lock, signals
-from django_syncguard.backends import redis_wakeups
 from django_syncguard.backends.redis import RedisBackend
-from django_syncguard.backends.redis_wakeups import RedisWakeUps
+from django_syncguard.backends.redis import wakeups as redis_wakeups
+from django_syncguard.backends.redis.wakeups import RedisWakeUps
 from django_syncguard.waiting import WaitTicket
 from tests.support import redis_wakeup_workers as workers
 from tests.support.harness import RedisHarness

@@ -1,17 +1,10 @@
-"""The Firestore backend's queue layout and its wake-ups (``specs/backends/firestore.md``).
+"""The Firestore backend's wake-ups (``specs/backends/firestore.md``).
 
 A key's waiters live in its lock document, beside the lock fields, so the acquire's
-one read sees both:
-
-``waiters``
-    map ``ticket id -> {"arrival": n, "liveUntilMs": ms}`` (Firestore's clock);
-``arrivals``
-    the last arrival number handed out; both fields are absent when nobody waits.
-
-A release that leaves waiters keeps the document without its lock fields (a
-*waiter-only* document). Each process watches the lock documents of the keys its
-waiters wait for, and wakes the first live waiter when a document shows the key free:
-:class:`FirestoreWakeUps`.
+one read sees both (the layout: ``documents.py``). A release that leaves waiters
+keeps the document without its lock fields (a *waiter-only* document). Each process
+watches the lock documents of the keys its waiters wait for, and wakes the first live
+waiter when a document shows the key free: :class:`FirestoreWakeUps`.
 
 **One Listen stream per backend object and process.** The Python client's
 ``on_snapshot`` opens one gRPC stream and one consumer thread per watched document, and
@@ -31,19 +24,15 @@ import queue
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from ..constants import TIME_TOLERANCE_MS
-from ..liveness import is_live
-from ..waiting import Queue, WakeUps, queue_head
+from ...waiting import WakeUps
+from .client import database_string, decode_fields, document_name, listen_stub, rpc_metadata
+from .documents import first_waiter
 
 logger = logging.getLogger("django_syncguard.backends.firestore.wakeups")
-
-#: Document fields of a key's queue.
-WAITERS = "waiters"
-ARRIVALS = "arrivals"
 
 #: A watch whose key has had no local waiter this long is removed from the stream.
 IDLE_UNWATCH_S = 30.0
@@ -56,42 +45,6 @@ RECONNECT_MIN_S = 0.1
 RECONNECT_MAX_S = 5.0
 #: How long a stream closed on purpose may take to end before it is cancelled.
 END_GRACE_S = 2.0
-
-
-# ---------------------------------------------------------------- the queue in a document
-def holds_lock(data: Mapping[str, Any], now_ms: int) -> bool:
-    """Whether the lock document ``data`` holds a live lock at ``now_ms``."""
-    return bool(data.get("lockId")) and is_live(int(data["expiresAtMs"]), now_ms, TIME_TOLERANCE_MS)
-
-
-def queue_of(data: Mapping[str, Any]) -> Queue:
-    """The waiters of a lock document as a :data:`~django_syncguard.waiting.Queue`."""
-    raw = data.get(WAITERS) or {}
-    return {
-        ticket_id: (int(entry["arrival"]), int(entry["liveUntilMs"]))
-        for ticket_id, entry in raw.items()
-        if isinstance(entry, Mapping)
-    }
-
-
-def queue_value(queue: Queue) -> dict[str, dict[str, int]]:
-    """``queue`` as the value of the ``waiters`` field."""
-    return {
-        ticket_id: {"arrival": arrival, "liveUntilMs": until}
-        for ticket_id, (arrival, until) in queue.items()
-    }
-
-
-def last_until(queue: Queue) -> int | None:
-    """When the last place in ``queue`` lapses (None: nobody waits)."""
-    return max((until for _, until in queue.values()), default=None)
-
-
-def first_waiter(data: Mapping[str, Any] | None, now_ms: int) -> str | None:
-    """The ticket a document state calls next: the first live waiter of a free key."""
-    if not data or holds_lock(data, now_ms):
-        return None
-    return queue_head(queue_of(data), now_ms)
 
 
 # ---------------------------------------------------------------------- the wake-ups
@@ -123,7 +76,7 @@ class _Stream:
 
     def __init__(self, client: Any) -> None:
         self.client = client
-        self.database: str = client._database_string
+        self.database: str = database_string(client)
         self.requests: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.call: Any = None
         self.targets: set[int] = set()  # added and not being removed
@@ -282,7 +235,7 @@ class FirestoreWakeUps(WakeUps):
                 if len(self._watches) >= MAX_WATCHES:
                     logger.info("%s watches %d keys: this waiter polls.", self.name, MAX_WATCHES)
                     return False
-                watch = _Watch(self._next_target, self._document(key)._document_path)
+                watch = _Watch(self._next_target, document_name(self._document(key)))
                 self._next_target += 1
                 self._watches[key] = watch
                 self._keys[watch.name] = key
@@ -406,8 +359,8 @@ class FirestoreWakeUps(WakeUps):
         try:
             # The transport's bare stub: the client's wrapped method would put the
             # operation timeout on a stream that must stay open.
-            listen = stream.client._firestore_api._transport.listen
-            call = listen(stream.outgoing(), metadata=stream.client._rpc_metadata)
+            listen = listen_stub(stream.client)
+            call = listen(stream.outgoing(), metadata=rpc_metadata(stream.client))
         except Exception as exc:
             stream.half_close()
             return exc
@@ -429,7 +382,6 @@ class FirestoreWakeUps(WakeUps):
         return error
 
     def _on_response(self, stream: _Stream, response: Any) -> None:
-        from google.cloud.firestore_v1 import _helpers
         from google.cloud.firestore_v1.types import TargetChange
 
         kinds = TargetChange.TargetChangeType
@@ -460,7 +412,7 @@ class FirestoreWakeUps(WakeUps):
             document = response.document_change.document
             name = document.name
             if pb.document_change.target_ids:  # else it left our targets: missing for us
-                data = _helpers.decode_dict(document.fields, stream.client)
+                data = decode_fields(document.fields, stream.client)
                 state = data if isinstance(data, dict) else {}
         elif which in ("document_delete", "document_remove"):
             name = getattr(pb, which).document

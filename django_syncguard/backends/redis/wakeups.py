@@ -2,7 +2,7 @@
 
 A release (or a withdrawal) that leaves waiters behind a free key publishes the first
 live ticket's id on the lock hash's own name: ``PUBLISH P:<key> <ticket id>`` (see
-``redis.py``; pub/sub channels and keys are separate namespaces, and channels are not
+``scripts.py``; pub/sub channels and keys are separate namespaces, and channels are not
 scoped to a database number, which only costs a stray message: one for a ticket no
 process holds wakes nobody). :class:`RedisWakeUps` is the subscriber side: it
 subscribes to the channels of the keys this process waits on and hands each message
@@ -52,11 +52,11 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from ..waiting import WakeUps
-from .redis import _redis
+from ...waiting import WakeUps
+from .client import redis_response_error
 
 if TYPE_CHECKING:
-    from .redis import RedisBackend
+    from .backend import RedisBackend
 
 logger = logging.getLogger("django_syncguard.backends.redis")
 
@@ -79,26 +79,16 @@ class _Refused(Exception):
 
 
 class RedisWakeUps(WakeUps):
-    """Wake-ups over Redis pub/sub for one :class:`~.redis.RedisBackend` (see the
+    """Wake-ups over Redis pub/sub for one :class:`~.backend.RedisBackend` (see the
     module docstring)."""
 
     def __init__(self, backend: RedisBackend) -> None:
         super().__init__(f"redis {backend.alias!r}")
         self._lock_key = backend.lock_key
         self._timeout_s = backend.operation_timeout_ms / 1000
-        self._location = backend.location
-        client_kwargs = dict(backend._client_kwargs)
-        client_kwargs.pop("single_connection_client", None)  # a Redis() argument, not a pool's
-        self._pool_kwargs: dict[str, Any] = {
-            **client_kwargs,
-            # One connection, outside the backend's pool, speaking RESP2: the reader
-            # parses pub/sub replies as plain arrays.
-            "max_connections": 1,
-            "protocol": 2,
-            # The reader checks health itself (PING after silence, a deadline on
-            # the reply); redis-py's check would PING before commands only.
-            "health_check_interval": 0,
-        }
+        # One connection, outside the backend's pool, speaking RESP2 (see the client
+        # layer); the reader checks its health itself.
+        self._new_pool = backend.clients.pubsub_connection_pool
         self._init_state()
 
     def _init_state(self) -> None:
@@ -286,7 +276,7 @@ class RedisWakeUps(WakeUps):
 
     def _connect(self) -> Any:
         if self._pool is None:
-            self._pool = _redis().ConnectionPool.from_url(self._location, **self._pool_kwargs)
+            self._pool = self._new_pool()
         conn = self._pool.get_connection()  # connects: AUTH, SELECT, within the timeouts
         self._opened_at = time.monotonic()
         self._sent, self._inflight, self._resubscribing = set(), {}, set()
@@ -335,7 +325,7 @@ class RedisWakeUps(WakeUps):
                 while conn.can_read(0):
                     try:
                         reply = conn.read_response()
-                    except _redis().exceptions.ResponseError as exc:
+                    except redis_response_error() as exc:
                         raise _Refused(str(exc)) from exc
                     self._handle(conn, reply)
                     heard, ping_deadline = time.monotonic(), None

@@ -17,7 +17,12 @@ Key layout (``P`` is the prefix without trailing colons)::
 
 A release wakes the first live waiter with ``PUBLISH P:<key> <ticket id>``: the
 channel is the lock hash's own name (channels and keys are separate namespaces);
-:mod:`.redis_wakeups` holds the subscriber side.
+:mod:`.wakeups` holds the subscriber side.
+
+The package: ``backend.py`` (this module: the operations and the SCAN
+housekeeping), ``scripts.py`` (the Lua, one script per operation), ``client.py``
+(the only module that builds connections and maps redis-py's errors) and
+``wakeups.py`` (the pub/sub subscriber).
 
 Lock keys all start with ``P:`` and index keys with ``P#``, so no user key can land
 on an index entry; the fence counter lives inside the key's own hash, so no user key
@@ -26,36 +31,28 @@ can land on another key's counter either. See ``specs/backends/redis.md``.
 
 from __future__ import annotations
 
-import asyncio
 import re
-import weakref
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 from django.core import checks
-from django.core.exceptions import ImproperlyConfigured
 
-from ..cancellation import CancelToken
-from ..constants import (
+from ...cancellation import CancelToken
+from ...constants import (
     BACKEND_LIMITS,
     CLEANUP_GUARD_MS,
     MAX_PAGE_SIZE,
     RESERVE_BYTES,
     TIME_TOLERANCE_MS,
 )
-from ..errors import (
-    AuthFailed,
-    Internal,
-    InvalidArgument,
-    LockError,
-    NetworkTimeout,
-    ServiceUnavailable,
-)
-from ..fencing import FENCE_MAX, fence_overflow_error, format_fence
-from ..keys import generate_lock_id, make_storage_key
-from ..results import AcquireResult, ExtendResult, LockPage, LockRecord, ReleaseResult
-from ..waiting import WaitTicket, WakeUps
-from .base import BaseLockBackend, mapping_option, positive_int_option
+from ...errors import InvalidArgument, LockError
+from ...fencing import FENCE_MAX, fence_overflow_error, format_fence
+from ...keys import generate_lock_id, make_storage_key
+from ...results import AcquireResult, ExtendResult, LockPage, LockRecord, ReleaseResult
+from ...waiting import WaitTicket, WakeUps
+from ..base import BaseLockBackend
+from .client import CLIENT_OPTIONS, RedisClients, map_redis_error, redis_error
+from .scripts import SCRIPTS
 
 if TYPE_CHECKING:
     import redis
@@ -70,327 +67,10 @@ W011 = "Lock backend {alias!r}: could not check the server's setup: {error}"
 
 LIMIT_BYTES = BACKEND_LIMITS["REDIS"]
 RESERVE = RESERVE_BYTES["REDIS"]
-DEFAULT_MAX_CONNECTIONS = 50
-
-# Every script reads the clock of the Redis server: TIME -> whole Unix milliseconds.
-_NOW = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-"""
-
-# The queue of waiters lives in the lock hash itself (same key, same slot): fields
-# 'w:<ticket id>' = '<arrival> <live until ms>', 'q' = how many there are (read with
-# the lock fields, so an empty queue costs the hot path nothing) and 'n' = the last
-# arrival number handed out. 'q' and 'n' go when the queue empties. These helpers
-# read the whole hash (HGETALL): only when 'q' says somebody waits. Scripts define
-# them inside the branch that needs them, so the path without waiters does not even
-# create their closures.
-_QUEUE = """
-local function hdel_all(h, names)
-  for j = 1, #names, 500 do
-    redis.call('HDEL', h, unpack(names, j, math.min(j + 499, #names)))
-  end
-end
--- The live waiters of hash h as {ticket id = arrival}, their count, and the id of the
--- first; stale ones (live until <= now) are deleted.
-local function queue_load(h, now)
-  local all = redis.call('HGETALL', h)
-  local live, stale, count, head, first = {}, {}, 0, nil, nil
-  for j = 1, #all, 2 do
-    local name = all[j]
-    if string.sub(name, 1, 2) == 'w:' then
-      local value = all[j + 1]
-      local space = string.find(value, ' ', 1, true)
-      local arrival = tonumber(string.sub(value, 1, space - 1))
-      if tonumber(string.sub(value, space + 1)) > now then
-        local id = string.sub(name, 3)
-        live[id] = arrival
-        count = count + 1
-        if first == nil or arrival < first then
-          head, first = id, arrival
-        end
-      else
-        stale[#stale + 1] = name
-      end
-    end
-  end
-  hdel_all(h, stale)
-  return live, count, head
-end
--- Record the number of waiters (only when it changed); an empty queue leaves no field.
-local function queue_store(h, count, stored)
-  if count == stored then
-    return
-  end
-  if count > 0 then
-    redis.call('HSET', h, 'q', count)
-  else
-    redis.call('HDEL', h, 'q', 'n')
-  end
-end
--- The key is free: wake the first live waiter, if any (only it).
-local function wake_next(h, now, stored)
-  local _, count, head = queue_load(h, now)
-  queue_store(h, count, stored)
-  if head then
-    -- pcall: an ACL that denies this user channels must not fail a release whose
-    -- writes are done (its waiters cannot subscribe either: they poll).
-    redis.pcall('PUBLISH', h, head)
-  end
-end
-"""
-
-#: KEYS[1] lock hash, KEYS[2] index key of the new lock id.
-#: ARGV: lock id, ttl ms, tolerance ms, max fence, user key ("" when not hashed),
-#: and for a caller with a wait ticket: ticket id, patience ms.
-#: Returns {0} contention ({0, position} for a queued ticket), {2} fence overflow
-#: (nothing written), {1, fence, expires}.
-ACQUIRE = (
-    _NOW
-    + """
-local cur = redis.call('HMGET', KEYS[1], 'i', 'e', 'f', 'q')
-local free = not cur[1] or tonumber(cur[2]) <= now - tonumber(ARGV[3])
-local ticket = ARGV[6] or ''
-if not free and ticket == '' then
-  return {0}
-end
-local fence = (tonumber(cur[3]) or 0) + 1
-if free and fence > tonumber(ARGV[4]) then
-  return {2}
-end
-local waiting = tonumber(cur[4]) or 0
-if waiting > 0 or not free then
-"""
-    + _QUEUE
-    + """
-  local live, count, head = queue_load(KEYS[1], now)
-  if free and (head == nil or head == ticket) then
-    if live[ticket] then
-      redis.call('HDEL', KEYS[1], 'w:' .. ticket)
-      count = count - 1
-    end
-    queue_store(KEYS[1], count, waiting)
-  elseif ticket == '' then
-    queue_store(KEYS[1], count, waiting)
-    return {0}
-  else
-    local mine = live[ticket]
-    if mine == nil then
-      mine = redis.call('HINCRBY', KEYS[1], 'n', 1)
-      count = count + 1
-    end
-    redis.call('HSET', KEYS[1], 'w:' .. ticket, mine .. ' ' .. (now + tonumber(ARGV[7])))
-    queue_store(KEYS[1], count, waiting)
-    local ahead = 0
-    for _, arrival in pairs(live) do
-      if arrival < mine then
-        ahead = ahead + 1
-      end
-    end
-    return {0, ahead}
-  end
-end
-local expires = now + tonumber(ARGV[2])
-if ARGV[5] ~= '' then
-  redis.call('HSET', KEYS[1], 'f', fence, 'i', ARGV[1], 'e', expires, 'a', now, 'k', ARGV[5])
-else
-  redis.call('HSET', KEYS[1], 'f', fence, 'i', ARGV[1], 'e', expires, 'a', now)
-end
-redis.call('SET', KEYS[2], KEYS[1], 'PX', tonumber(ARGV[2]) + tonumber(ARGV[3]))
-return {1, fence, expires}
-"""
-)
-
-# Release and extend resolve the index to the lock hash, require the hash to carry
-# this lock id (specs/contract.md, Operations: the stored lock id is re-checked) and
-# to be live, then mutate: all inside one script.
-_RESOLVE = (
-    _NOW
-    + """
-local lock = redis.call('GET', KEYS[1])
-if not lock then
-  return {0}
-end
-local cur = redis.call('HMGET', lock, 'i', 'e', 'q')
-if cur[1] ~= ARGV[1] then
-  return {0}
-end
-if tonumber(cur[2]) <= now - tonumber(ARGV[2]) then
-  return {2}
-end
-"""
-)
-
-#: KEYS[1] index key. ARGV: lock id, tolerance ms.
-#: Returns {1} released, {2} expired, {0} not found. The fence field stays. When
-#: waiters queue ('q' > 0), the first live one is woken by PUBLISH.
-RELEASE = (
-    _RESOLVE
-    + """
-redis.call('HDEL', lock, 'i', 'e', 'a', 'k')
-redis.call('DEL', KEYS[1])
-local waiting = tonumber(cur[3]) or 0
-if waiting > 0 then
-"""
-    + _QUEUE
-    + """
-  wake_next(lock, now, waiting)
-end
-return {1}
-"""
-)
-
-#: KEYS[1] lock hash. ARGV: ticket id, tolerance ms.
-#: Removes the ticket; when the key is free, wakes the (new) first live waiter.
-#: Returns 1 when the ticket was queued, else 0.
-WITHDRAW = (
-    _NOW
-    + _QUEUE
-    + """
-local cur = redis.call('HMGET', KEYS[1], 'i', 'e', 'q')
-local waiting = tonumber(cur[3]) or 0
-if waiting == 0 or redis.call('HDEL', KEYS[1], 'w:' .. ARGV[1]) == 0 then
-  return 0
-end
-if cur[1] and tonumber(cur[2]) > now - tonumber(ARGV[2]) then
-  queue_store(KEYS[1], waiting - 1, waiting)
-else
-  wake_next(KEYS[1], now, waiting)
-end
-return 1
-"""
-)
-
-#: KEYS[1] index key. ARGV: lock id, tolerance ms, ttl ms.
-#: Returns {1, expires}, {2} expired, {0} not found.
-EXTEND = (
-    _RESOLVE
-    + """
-local expires = now + tonumber(ARGV[3])
-redis.call('HSET', lock, 'e', expires)
-redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[3]) + tonumber(ARGV[2]))
-return {1, expires}
-"""
-)
-
-#: KEYS[1] lock hash. ARGV: tolerance ms, cleanup guard ms (0: never write).
-#: Returns 1 when live. With a guard, removes the lock fields (never the fence) of a
-#: lock expired longer ago than the guard, after deciding the answer.
-IS_LOCKED = (
-    _NOW
-    + """
-local cur = redis.call('HMGET', KEYS[1], 'i', 'e')
-if not cur[1] then
-  return 0
-end
-local expires = tonumber(cur[2])
-if expires > now - tonumber(ARGV[1]) then
-  return 1
-end
-local guard = tonumber(ARGV[2])
-if guard > 0 and now - expires > guard then
-  redis.call('HDEL', KEYS[1], 'i', 'e', 'a', 'k')
-end
-return 0
-"""
-)
-
-#: KEYS[1] lock hash. ARGV: tolerance ms. Returns {} or {i, e, a, f, k}.
-LOOKUP_BY_KEY = (
-    _NOW
-    + """
-local cur = redis.call('HMGET', KEYS[1], 'i', 'e', 'a', 'f', 'k')
-if not cur[1] or tonumber(cur[2]) <= now - tonumber(ARGV[1]) then
-  return {}
-end
-return {cur[1], cur[2], cur[3], cur[4], cur[5] or ''}
-"""
-)
-
-#: KEYS[1] index key. ARGV: lock id, tolerance ms. Returns {} or {hash, i, e, a, f, k}.
-LOOKUP_BY_ID = (
-    _NOW
-    + """
-local lock = redis.call('GET', KEYS[1])
-if not lock then
-  return {}
-end
-local cur = redis.call('HMGET', lock, 'i', 'e', 'a', 'f', 'k')
-if cur[1] ~= ARGV[1] or tonumber(cur[2]) <= now - tonumber(ARGV[2]) then
-  return {}
-end
-return {lock, cur[1], cur[2], cur[3], cur[4], cur[5] or ''}
-"""
-)
-
-#: KEYS: lock hashes found by one SCAN. ARGV: tolerance ms.
-#: Returns {now, name, i, e, a, f, k, name, i, ...} for the live locks among them.
-LIST_LIVE = (
-    _NOW
-    + """
-local out = {now}
-for _, name in ipairs(KEYS) do
-  local cur = redis.call('HMGET', name, 'i', 'e', 'a', 'f', 'k')
-  if cur[1] and tonumber(cur[2]) > now - tonumber(ARGV[1]) then
-    table.insert(out, name)
-    for j = 1, 4 do table.insert(out, cur[j]) end
-    table.insert(out, cur[5] or '')
-  end
-end
-return out
-"""
-)
-
-#: KEYS: lock hashes found by one SCAN. ARGV: cleanup guard ms, 1 to only count.
-#: Removes the lock fields (never the fence) of locks expired longer ago than the
-#: guard, as IS_LOCKED's cleanup does; returns how many.
-DELETE_EXPIRED = (
-    _NOW
-    + """
-local n = 0
-for _, name in ipairs(KEYS) do
-  local cur = redis.call('HMGET', name, 'i', 'e')
-  if cur[1] and tonumber(cur[2]) < now - tonumber(ARGV[1]) then
-    n = n + 1
-    if ARGV[2] ~= '1' then
-      redis.call('HDEL', name, 'i', 'e', 'a', 'k')
-    end
-  end
-end
-return n
-"""
-)
 
 #: SCAN calls one inspector page may make before it returns what it found so far:
 #: a namespace with many released keys (fence-only hashes) must not stall the page.
 MAX_SCANS_PER_PAGE = 20
-
-SCRIPTS = {
-    "acquire": ACQUIRE,
-    "release": RELEASE,
-    "withdraw": WITHDRAW,
-    "extend": EXTEND,
-    "is_locked": IS_LOCKED,
-    "lookup_by_key": LOOKUP_BY_KEY,
-    "lookup_by_id": LOOKUP_BY_ID,
-    "list_live": LIST_LIVE,
-    "delete_expired": DELETE_EXPIRED,
-}
-
-# Server replies that mean "not now" rather than "wrong".
-_UNAVAILABLE_REPLIES = (
-    "BUSY",
-    "LOADING",
-    "MASTERDOWN",
-    "TRYAGAIN",
-    "CLUSTERDOWN",
-    "OOM",
-    "READONLY",
-    "NOREPLICAS",
-    "MISCONF",
-)
-_AUTH_REPLIES = ("NOAUTH", "WRONGPASS", "NOPERM")
-
 
 _GLOB_SPECIAL = re.compile(r"([\\*?\[\]])")
 
@@ -400,51 +80,13 @@ def _glob_escape(text: str) -> str:
     return _GLOB_SPECIAL.sub(r"\\\1", text)
 
 
-def _redis() -> Any:
-    try:
-        import redis
-    except ImportError as exc:
-        raise ImproperlyConfigured(
-            'The Redis lock backend needs redis-py: pip install "django-syncguard[redis]".'
-        ) from exc
-    return redis
-
-
-def map_redis_error(exc: BaseException, alias: str) -> LockError:
-    """The ``LockError`` for a redis-py exception."""
-    redis = _redis()
-    errors = redis.exceptions
-    message = f"Redis ({alias!r}): {exc}"
-    text = str(exc).upper()
-    error_cls: type[LockError]
-    # redis-py strips the reply's code when it maps it to a class of its own: NOPERM
-    # arrives as NoPermissionError whose text no longer starts with "NOPERM".
-    denied = errors.AuthenticationError | errors.AuthorizationError | errors.NoPermissionError
-    if isinstance(exc, denied) or (
-        isinstance(exc, errors.ResponseError) and text.startswith(_AUTH_REPLIES)
-    ):
-        error_cls = AuthFailed
-    elif isinstance(exc, errors.TimeoutError):
-        error_cls = NetworkTimeout
-    elif isinstance(exc, errors.ConnectionError) or (
-        isinstance(exc, errors.ResponseError) and text.startswith(_UNAVAILABLE_REPLIES)
-    ):
-        error_cls = ServiceUnavailable
-    else:
-        error_cls = Internal
-    return error_cls(message, context={"cause": exc})
-
-
 class RedisBackend(BaseLockBackend):
     """Locks in Redis; see the module docstring."""
 
     backend_name = "redis"
     time_authority = "server"
     uses_key_prefix = True
-    known_options: ClassVar[frozenset[str]] = BaseLockBackend.known_options | {
-        "MAX_CONNECTIONS",
-        "CLIENT_KWARGS",
-    }
+    known_options: ClassVar[frozenset[str]] = BaseLockBackend.known_options | CLIENT_OPTIONS
 
     def __init__(self, alias: str = "default", params: Mapping[str, Any] | None = None) -> None:
         super().__init__(alias, params)
@@ -458,29 +100,20 @@ class RedisBackend(BaseLockBackend):
                 "KEY_PREFIX must be non-empty and free of '#' for Redis: it keeps lock "
                 f"keys apart from the lock-id index (got {self.key_prefix!r})."
             )
-        max_connections = positive_int_option(
-            self.options, "MAX_CONNECTIONS", DEFAULT_MAX_CONNECTIONS
+        self.clients = RedisClients(
+            alias,
+            self.location,
+            self.options,
+            connect_timeout_ms=self.connect_timeout_ms,
+            operation_timeout_ms=self.operation_timeout_ms,
+            scripts=SCRIPTS,
         )
-        client_kwargs = mapping_option(self.options, "CLIENT_KWARGS")
-        redis_py = _redis()
-        self._client_kwargs: dict[str, Any] = {
-            "socket_connect_timeout": self.connect_timeout_ms / 1000,
-            "socket_timeout": self.operation_timeout_ms / 1000,
-            # One attempt per call (specs/contract.md, Operations): a silently retried
-            # acquire whose reply was lost would find its own lock and report contention.
-            "retry": redis_py.retry.Retry(redis_py.backoff.NoBackoff(), 0),
-            "retry_on_error": [],
-            "max_connections": max_connections,
-            **client_kwargs,
-        }
-        try:
-            self.client: redis.Redis = redis_py.Redis.from_url(self.location, **self._client_kwargs)
-        except ValueError as exc:
-            raise InvalidArgument(f"LOCATION {self.location!r} is not a redis URL: {exc}") from exc
-        self._scripts = {name: self.client.register_script(lua) for name, lua in SCRIPTS.items()}
-        self._async: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Any] = (
-            weakref.WeakKeyDictionary()
-        )
+        self._scripts = self.clients.scripts()
+
+    @property
+    def client(self) -> redis.Redis:
+        """The synchronous redis-py client (see :class:`~.client.RedisClients`)."""
+        return self.clients.sync()
 
     # ------------------------------------------------------------------ keys
     def lock_key(self, key: str) -> str:
@@ -504,36 +137,23 @@ class RedisBackend(BaseLockBackend):
     def _call(self, name: str, keys: list[str], args: list[Any]) -> Any:
         try:
             return self._scripts[name](keys=keys, args=args)
-        except self._redis_error() as exc:
+        except redis_error() as exc:
             raise map_redis_error(exc, self.alias) from exc
 
     async def _acall(self, name: str, keys: list[str], args: list[Any]) -> Any:
         scripts = self._async_scripts()
         try:
             return await scripts[name](keys=keys, args=args)
-        except self._redis_error() as exc:
+        except redis_error() as exc:
             raise map_redis_error(exc, self.alias) from exc
-
-    @staticmethod
-    def _redis_error() -> type[Exception]:
-        error: type[Exception] = _redis().exceptions.RedisError
-        return error
 
     def _async_scripts(self) -> dict[str, Any]:
         """Scripts bound to an asyncio client of the running loop (clients are per loop)."""
-        loop = asyncio.get_running_loop()
-        scripts = self._async.get(loop)
-        if scripts is None:
-            client = _redis().asyncio.Redis.from_url(self.location, **self._client_kwargs)
-            scripts = {name: client.register_script(lua) for name, lua in SCRIPTS.items()}
-            scripts["_client"] = client
-            self._async[loop] = scripts
-        return scripts
+        return self.clients.for_loop()
 
     def close(self, **kwargs: Any) -> None:
-        self.client.close()
-        super().close()
-        self._async = weakref.WeakKeyDictionary()
+        super().close()  # the wake-ups first: their connection comes from the clients
+        self.clients.close()
 
     # ----------------------------------------------------------- operations
     def _acquire_args(
@@ -570,7 +190,7 @@ class RedisBackend(BaseLockBackend):
         return self._acquired(await self._acall("acquire", keys, args), key, lock_id)
 
     def _make_wake_ups(self) -> WakeUps:
-        from .redis_wakeups import RedisWakeUps
+        from .wakeups import RedisWakeUps
 
         return RedisWakeUps(self)
 
@@ -671,7 +291,7 @@ class RedisBackend(BaseLockBackend):
     def _scan(self, cursor: int, match: str, count: int) -> tuple[int, list[bytes]]:
         try:
             next_cursor, names = self.client.scan(cursor, match=match, count=count, _type="hash")
-        except self._redis_error() as exc:
+        except redis_error() as exc:
             raise map_redis_error(exc, self.alias) from exc
         return int(next_cursor), cast(list[bytes], names)
 
@@ -724,7 +344,7 @@ class RedisBackend(BaseLockBackend):
         """The Redis server's clock, in Unix ms."""
         try:
             seconds, micros = self.client.time()
-        except self._redis_error() as exc:
+        except redis_error() as exc:
             raise map_redis_error(exc, self.alias) from exc
         return int(seconds) * 1000 + int(micros) // 1000
 
@@ -732,7 +352,7 @@ class RedisBackend(BaseLockBackend):
         """``INFO persistence`` of the server (for the deploy check)."""
         try:
             info: dict[str, Any] = self.client.info("persistence")
-        except self._redis_error() as exc:
+        except redis_error() as exc:
             raise map_redis_error(exc, self.alias) from exc
         return info
 

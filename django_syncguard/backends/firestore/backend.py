@@ -14,19 +14,16 @@ client clocks do not matter.
 Waiters queue in the key's lock document (``waiters``, ``arrivals``), read and written
 by the same guarded batches as the lock; a release that leaves waiters keeps the
 document without its lock, and each process's :class:`FirestoreWakeUps` watches the
-documents its waiters wait for (``firestore_wakeups.py``). See
-``specs/backends/firestore.md``.
+documents its waiters wait for (``wakeups.py``). The documents' fields are described
+in ``documents.py``; ``client.py`` builds the clients and is the only module that
+touches the client library's private attributes. See ``specs/backends/firestore.md``.
 """
 
 from __future__ import annotations
 
-import asyncio
-import datetime as dt
 import logging
-import os
 import re
 import threading
-import weakref
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
@@ -34,43 +31,45 @@ from functools import partial
 from typing import Any, ClassVar, TypeVar
 
 from django.core import checks
-from django.core.exceptions import ImproperlyConfigured
 
-from ..cancellation import CancelToken, check_cancel
-from ..constants import BACKEND_LIMITS, CLEANUP_GUARD_MS, RESERVE_BYTES, TIME_TOLERANCE_MS
-from ..errors import (
-    AuthFailed,
-    Internal,
-    InvalidArgument,
-    LockError,
-    NetworkTimeout,
-    RateLimited,
-    ServiceUnavailable,
-)
-from ..fencing import FENCE_MAX, fence_overflow_error, format_fence
-from ..keys import generate_lock_id, hash_storage_key, make_storage_key
-from ..liveness import is_live
-from ..results import AcquireResult, ExtendResult, LockPage, LockRecord, ReleaseResult
-from ..waiting import CHECK_IN_MS, Queue, WaitTicket, WakeUps, queue_admits, queue_head
-from .base import BaseLockBackend, BatchedCleanup, mapping_option
-from .firestore_wakeups import (
+from ...cancellation import CancelToken, check_cancel
+from ...constants import TIME_TOLERANCE_MS
+from ...errors import InvalidArgument, LockError, ServiceUnavailable
+from ...fencing import FENCE_MAX, fence_overflow_error, format_fence
+from ...keys import generate_lock_id
+from ...liveness import is_live
+from ...results import AcquireResult, ExtendResult, LockPage, LockRecord, ReleaseResult
+from ...waiting import CHECK_IN_MS, WaitTicket, WakeUps, queue_admits, queue_head
+from ..base import BaseLockBackend, BatchedCleanup, mapping_option
+from .client import FirestoreClients, _firestore, guard_failed, mapped_error
+from .documents import (
+    ACQUIRED_AT_MS,
     ARRIVALS,
-    WAITERS,
-    FirestoreWakeUps,
+    COUNTER_FENCE,
+    EXPIRES_AT_MS,
+    FENCE,
+    KEY,
+    LOCK_ID,
+    PURGE_AT,
+    counter_id,
+    document_id,
+    fields_of,
+    has_waiters,
     holds_lock,
     last_until,
+    lock_fields,
+    purge_at,
+    queue_fields,
     queue_of,
-    queue_value,
+    queue_update,
+    server_ms,
+    vacated,
 )
+from .wakeups import FirestoreWakeUps
 
 logger = logging.getLogger("django_syncguard.backends.firestore")
 
 T = TypeVar("T")
-
-LIMIT_BYTES = BACKEND_LIMITS["FIRESTORE"]
-RESERVE = RESERVE_BYTES["FIRESTORE"]
-_EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
-_MS = dt.timedelta(milliseconds=1)
 
 #: Attempts of a release or extend whose guarded write found the lock changed since
 #: its read (e.g. renewed by auto-extend at that instant). Each starts over.
@@ -89,37 +88,6 @@ _COLLECTION_ID = re.compile(r"[^/]+")
 _RESERVED_ID = re.compile(r"__.*__", re.DOTALL)
 
 
-def _firestore() -> Any:
-    try:
-        import google.cloud.firestore as firestore
-    except ImportError as exc:
-        raise ImproperlyConfigured(
-            "The Firestore lock backend needs google-cloud-firestore: "
-            'pip install "django-syncguard[firestore]".'
-        ) from exc
-    return firestore
-
-
-def server_ms(read_time: dt.datetime) -> int:
-    """A Firestore timestamp as whole Unix milliseconds."""
-    return (read_time - _EPOCH) // _MS
-
-
-def document_id(key: str) -> str:
-    """The lock document id of ``key``: its storage key, or the hashed form when that is
-    not a valid Firestore id (``a/b`` would be a path, ``.``, ``..`` and ``__x__`` are
-    refused by Firestore): every valid key gets a document."""
-    storage_key = make_storage_key("", key, LIMIT_BYTES, RESERVE)
-    if "/" in storage_key or storage_key in (".", "..") or _RESERVED_ID.fullmatch(storage_key):
-        return hash_storage_key("", key)
-    return storage_key
-
-
-def purge_at(expires_at_ms: int) -> dt.datetime:
-    """When a TTL policy may delete a lock document: past expiry, tolerance and guard."""
-    return _EPOCH + (expires_at_ms + CLEANUP_GUARD_MS["server"]) * _MS
-
-
 def validate_collection(name: Any, option: str) -> str:
     if (
         not isinstance(name, str)
@@ -134,29 +102,6 @@ def validate_collection(name: Any, option: str) -> str:
             "(non-empty, no '/', not '.' or '..', not __reserved__)."
         )
     return name
-
-
-def map_firestore_error(exc: BaseException, alias: str) -> LockError:
-    """The ``LockError`` for a google-api-core / google-auth exception."""
-    from google.api_core import exceptions as api
-
-    message = f"Firestore ({alias!r}): {exc}"
-    table: tuple[tuple[Any, type[LockError]], ...] = (
-        ((api.DeadlineExceeded, api.RetryError), NetworkTimeout),
-        ((api.ServiceUnavailable, api.InternalServerError, api.Aborted), ServiceUnavailable),
-        ((api.PermissionDenied, api.Unauthenticated), AuthFailed),
-        ((api.InvalidArgument, api.FailedPrecondition), InvalidArgument),
-        ((api.ResourceExhausted, api.TooManyRequests), RateLimited),
-    )
-    error_cls = next((cls for types, cls in table if isinstance(exc, types)), Internal)
-    try:
-        from google.auth.exceptions import DefaultCredentialsError
-
-        if isinstance(exc, DefaultCredentialsError):
-            error_cls = AuthFailed
-    except ImportError:  # pragma: no cover - google-auth comes with the client
-        pass
-    return error_cls(message, context={"cause": exc})
 
 
 # System-check message of this backend (see checks.py for the table of ids).
@@ -196,12 +141,7 @@ class FirestoreBackend(BatchedCleanup, BaseLockBackend):
         self.project = self.options.get("PROJECT")
         self.database = self.options.get("DATABASE")
         self._client_kwargs = mapping_option(self.options, "CLIENT_KWARGS")
-        _firestore()  # fail at start-up, not at the first lock, when the extra is missing
-        self._client: Any = None
-        self._client_pid = os.getpid()
-        self._async: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Any] = (
-            weakref.WeakKeyDictionary()
-        )
+        self.clients = FirestoreClients(alias, self._client_options(), self.operation_timeout_ms)
         self._held = _Held()
 
     # --------------------------------------------------------------- clients
@@ -215,38 +155,16 @@ class FirestoreBackend(BatchedCleanup, BaseLockBackend):
 
     @property
     def client(self) -> Any:
-        """The Firestore client, built on first use with bounded calls (again in a
-        forked child: the parent's gRPC channel is not usable there)."""
-        if self._client_pid != os.getpid():
-            self._client, self._client_pid = None, os.getpid()  # the parent's: never closed here
-        if self._client is None:
-            try:
-                client = _firestore().Client(**self._client_options())
-                _bound_every_call(client, self.operation_timeout_ms / 1000)
-            except Exception as exc:
-                raise map_firestore_error(exc, self.alias) from exc
-            self._client = client
-        return self._client
+        """The Firestore client (see :class:`~.client.FirestoreClients`)."""
+        return self.clients.sync()
 
     def aclient(self) -> Any:
         """The ``AsyncClient`` of the running event loop (gRPC channels are per loop)."""
-        loop = asyncio.get_running_loop()
-        client = self._async.get(loop)
-        if client is None:
-            try:
-                client = _firestore().AsyncClient(**self._client_options())
-                _bound_every_call(client, self.operation_timeout_ms / 1000, asynchronous=True)
-            except Exception as exc:
-                raise map_firestore_error(exc, self.alias) from exc
-            self._async[loop] = client
-        return client
+        return self.clients.for_loop()
 
     def close(self, **kwargs: Any) -> None:
-        super().close()
-        if self._client is not None:
-            self._client.close()
-            self._client = None
-        self._async = weakref.WeakKeyDictionary()
+        super().close()  # the wake-ups' stream first: it runs on the synchronous client
+        self.clients.close()
 
     def _locks(self, client: Any = None) -> Any:
         return (client or self.client).collection(self.collection)
@@ -254,27 +172,20 @@ class FirestoreBackend(BatchedCleanup, BaseLockBackend):
     def _refs(self, key: str, client: Any = None) -> tuple[Any, Any]:
         client = client or self.client
         lock_doc = document_id(key)
-        fence_doc = make_storage_key("", f"fence:{lock_doc}", LIMIT_BYTES, RESERVE)
         return (
             client.collection(self.collection).document(lock_doc),
-            client.collection(self.fence_collection).document(fence_doc),
+            client.collection(self.fence_collection).document(counter_id(lock_doc)),
         )
 
     def _by_lock_id(self, lock_id: str, client: Any = None) -> Any:
         # No limit: duplicates must be seen to be handled (specs/backends/firestore.md,
         # Operations: duplicates of one lock id).
-        return self._locks(client).where(filter=_field("lockId", "==", lock_id))
+        return self._locks(client).where(filter=_field(LOCK_ID, "==", lock_id))
 
     # ---------------------------------------------------------------- errors
     def _mapped(self, exc: Exception) -> Exception:
         """The exception to raise for ``exc``: a ``LockError`` for library errors."""
-        from google.api_core.exceptions import GoogleAPIError
-
-        if isinstance(exc, LockError):
-            return exc
-        if isinstance(exc, GoogleAPIError) or type(exc).__module__.startswith(("google.", "grpc")):
-            return map_firestore_error(exc, self.alias)
-        return exc
+        return mapped_error(exc, self.alias)
 
     def _call(self, fn: Callable[[], T]) -> T:
         """Run ``fn``, mapping library errors to ``LockError``."""
@@ -315,7 +226,7 @@ class FirestoreBackend(BatchedCleanup, BaseLockBackend):
         try:
             self._call(batch.commit)
         except LockError as exc:
-            if _guard_failed(exc):
+            if guard_failed(exc):
                 return False
             raise
         return True
@@ -324,7 +235,7 @@ class FirestoreBackend(BatchedCleanup, BaseLockBackend):
         try:
             await self._acall(batch.commit())
         except LockError as exc:
-            if _guard_failed(exc):
+            if guard_failed(exc):
                 return False
             raise
         return True
@@ -347,7 +258,7 @@ class FirestoreBackend(BatchedCleanup, BaseLockBackend):
         lock_ref, fence_ref = refs
         current, counter = by_path[lock_ref.path], by_path[fence_ref.path]
         now = server_ms(current.read_time)  # Firestore's clock
-        data = _data(current)
+        data = fields_of(current)
         free = not holds_lock(data, now)
         queue = queue_of(data)
         arrivals = int(data.get(ARRIVALS, 0))
@@ -363,12 +274,12 @@ class FirestoreBackend(BatchedCleanup, BaseLockBackend):
                 if ticket is None or not _renewal_due(before, queue[ticket.id], ticket, now):
                     return _Plan(AcquireResult.locked(position))
                 check_cancel(cancel, {"key": key})  # after reads, before writes
-                fields = _queue_update(data, queue, arrivals)
+                fields = queue_update(data, queue, arrivals)
                 batch.update(lock_ref, fields, **self._unchanged(current))
                 return _Plan(AcquireResult.locked(position), write=True)
         elif not free:
             return _Plan(AcquireResult.locked())  # nobody waits: no write, as always
-        fence = (int(counter.get("fence")) if counter.exists else 0) + 1
+        fence = (int(counter.get(COUNTER_FENCE)) if counter.exists else 0) + 1
         if fence > FENCE_MAX:
             raise fence_overflow_error(key)
         check_cancel(cancel, {"key": key})  # after reads, before writes
@@ -376,15 +287,11 @@ class FirestoreBackend(BatchedCleanup, BaseLockBackend):
         expires = now + ttl_ms
         waiting_until = last_until(queue)
         lock = {
-            "lockId": lock_id,
-            "expiresAtMs": expires,
-            "acquiredAtMs": now,
-            "key": key,
-            "fence": format_fence(fence),
-            "purgeAt": purge_at(max(expires, waiting_until or 0)),
-            **_queue_fields(data, queue, arrivals),
+            **lock_fields(lock_id, key, format_fence(fence), now, expires),
+            PURGE_AT: purge_at(max(expires, waiting_until or 0)),
+            **queue_fields(data, queue, arrivals),
         }
-        self._put(batch, fence_ref, counter, {"fence": format_fence(fence)})
+        self._put(batch, fence_ref, counter, {COUNTER_FENCE: format_fence(fence)})
         self._put(batch, lock_ref, current, lock)
         result = AcquireResult(
             ok=True, lock_id=lock_id, expires_at_ms=expires, fence=format_fence(fence)
@@ -449,15 +356,15 @@ class FirestoreBackend(BatchedCleanup, BaseLockBackend):
         """Fill ``batch`` with the guarded removal of ``ticket_id`` from the queue;
         False when it is not queued (nothing to write). The listeners of the key wake
         its next waiter when the document shows the key free."""
-        data = _data(snap)
+        data = fields_of(snap)
         queue = queue_of(data)
         if queue.pop(ticket_id, None) is None:
             return False
         queue_head(queue, server_ms(snap.read_time))  # drops lapsed places
-        if not queue and not data.get("lockId"):
+        if not queue and not data.get(LOCK_ID):
             batch.delete(snap.reference, **self._unchanged(snap))  # nothing left in it
         else:
-            fields = _queue_update(data, queue, int(data.get(ARRIVALS, 0)))
+            fields = queue_update(data, queue, int(data.get(ARRIVALS, 0)))
             batch.update(snap.reference, fields, **self._unchanged(snap))
         return True
 
@@ -495,7 +402,7 @@ class FirestoreBackend(BatchedCleanup, BaseLockBackend):
         re-checked, specs/contract.md); with duplicates (specs/backends/firestore.md)
         removes the expired ones and fails safe when several are live.
         """
-        snaps = [s for s in found if s.get("lockId") == lock_id]
+        snaps = [s for s in found if s.get(LOCK_ID) == lock_id]
         if not snaps:
             return ("not-found", None), False
         now = server_ms(snaps[0].read_time)
@@ -556,22 +463,22 @@ class FirestoreBackend(BatchedCleanup, BaseLockBackend):
         """Release the lock of the document ``snap`` read, only if unchanged since:
         delete the document, or, while live waiters remain, only its lock fields (the
         listeners of the key then wake the first of them)."""
-        data = _data(snap)
+        data = fields_of(snap)
         queue = queue_of(data)
         queue_head(queue, now)  # drops lapsed places
         if not queue:
             batch.delete(snap.reference, **self._unchanged(snap))
             return
-        fields = _queue_update(data, queue, int(data.get(ARRIVALS, 0)), vacate=True)
+        fields = queue_update(data, queue, int(data.get(ARRIVALS, 0)), vacate=True)
         batch.update(snap.reference, fields, **self._unchanged(snap))
 
     def _renewal(self, ttl_ms: int) -> Callable[[Any, Any, int], int]:
         def renew(batch: Any, snap: Any, now: int) -> int:
             expires = now + ttl_ms
-            waiting_until = last_until(queue_of(_data(snap))) or 0
+            waiting_until = last_until(queue_of(fields_of(snap))) or 0
             batch.update(
                 snap.reference,
-                {"expiresAtMs": expires, "purgeAt": purge_at(max(expires, waiting_until))},
+                {EXPIRES_AT_MS: expires, PURGE_AT: purge_at(max(expires, waiting_until))},
                 **self._unchanged(snap),
             )
             return expires
@@ -608,7 +515,7 @@ class FirestoreBackend(BatchedCleanup, BaseLockBackend):
         if waiting_until is None:
             batch.delete(client.document(path), **guard)
         else:
-            batch.update(client.document(path), _vacated(waiting_until), **guard)
+            batch.update(client.document(path), vacated(waiting_until), **guard)
         return batch, expires
 
     @staticmethod
@@ -666,8 +573,8 @@ class FirestoreBackend(BatchedCleanup, BaseLockBackend):
         if live or not snap.exists or not self.cleanup_in_is_locked:
             return None
         now = server_ms(snap.read_time)
-        data = _data(snap)
-        expires = int(data.get("expiresAtMs", now))
+        data = fields_of(snap)
+        expires = int(data.get(EXPIRES_AT_MS, now))
         if expires >= self._cleanup_cutoff(now) or queue_head(queue_of(data), now):
             return None  # recent, or live waiters still hold their places in it
         return self._unchanged(snap)
@@ -675,18 +582,18 @@ class FirestoreBackend(BatchedCleanup, BaseLockBackend):
     def _record(self, snap: Any) -> LockRecord:
         data = snap.to_dict()
         return LockRecord(
-            key=data["key"],
-            lock_id=data["lockId"],
-            expires_at_ms=int(data["expiresAtMs"]),
-            acquired_at_ms=int(data["acquiredAtMs"]),
-            fence=data["fence"],
+            key=data[KEY],
+            lock_id=data[LOCK_ID],
+            expires_at_ms=int(data[EXPIRES_AT_MS]),
+            acquired_at_ms=int(data[ACQUIRED_AT_MS]),
+            fence=data[FENCE],
         )
 
     def _live_record(self, snap: Any) -> LockRecord | None:
         return self._record(snap) if self._live(snap, server_ms(snap.read_time)) else None
 
     def _one_live(self, snaps: list[Any], lock_id: str) -> LockRecord | None:
-        live = [s for s in snaps if s.get("lockId") == lock_id and self._live_record(s)]
+        live = [s for s in snaps if s.get(LOCK_ID) == lock_id and self._live_record(s)]
         if len(live) > 1:
             logger.warning("%d live lock documents carry one lock id.", len(live))
         return self._record(live[0]) if len(live) == 1 else None
@@ -708,22 +615,22 @@ class FirestoreBackend(BatchedCleanup, BaseLockBackend):
     def _list_locks(self, prefix: str, cursor: str | None, limit: int) -> LockPage:
         # Key order (the automatic single-field index on ``key``); expired documents
         # are skipped by Firestore's own clock, which may take a few reads to fill a page.
-        query = self._locks().order_by("key")
+        query = self._locks().order_by(KEY)
         if prefix:
-            query = query.where(filter=_field("key", ">=", prefix)).where(
-                filter=_field("key", "<", prefix + _LAST_CHAR)
+            query = query.where(filter=_field(KEY, ">=", prefix)).where(
+                filter=_field(KEY, "<", prefix + _LAST_CHAR)
             )
         records: list[LockRecord] = []
         now: int | None = None
         for _ in range(_READS_PER_PAGE):
-            page = query.start_after({"key": cursor}) if cursor is not None else query
+            page = query.start_after({KEY: cursor}) if cursor is not None else query
             wanted = limit + 1 - len(records)  # one more: is there a next page?
             snaps: list[Any] = self._call(partial(_streamed, page.limit(wanted)))
             for snap in snaps:
                 now = server_ms(snap.read_time)
                 if len(records) == limit:  # a further document: the page is full
                     return LockPage(tuple(records), cursor, now)
-                cursor = snap.get("key")
+                cursor = snap.get(KEY)
                 if self._live(snap, now):
                     records.append(self._record(snap))
             if len(snaps) < wanted:
@@ -732,7 +639,7 @@ class FirestoreBackend(BatchedCleanup, BaseLockBackend):
         return LockPage(tuple(records), cursor, now if now is not None else self.now_ms())
 
     def _expired_query(self, cutoff: int) -> Any:
-        return self._locks().where(filter=_field("expiresAtMs", "<", cutoff))
+        return self._locks().where(filter=_field(EXPIRES_AT_MS, "<", cutoff))
 
     def _count_expired(self) -> int:
         query = self._expired_query(self._cleanup_cutoff(self.now_ms()))
@@ -745,7 +652,7 @@ class FirestoreBackend(BatchedCleanup, BaseLockBackend):
         query = self._expired_query(self._cleanup_cutoff(self.now_ms())).limit(size)
         # A document whose lock expired long ago may still hold live waiters' places
         # (until the first of them takes the key): it stays.
-        snaps = [s for s in self._call(lambda: list(query.stream())) if not _has_waiters(s)]
+        snaps = [s for s in self._call(lambda: list(query.stream())) if not has_waiters(s)]
         if not snaps:
             return 0
         batch = self.client.batch()
@@ -814,52 +721,6 @@ class _Plan:
     waiting_until: int | None = None
 
 
-def _data(snap: Any) -> dict[str, Any]:
-    """A snapshot's fields; empty for a missing document."""
-    return (snap.to_dict() or {}) if snap.exists else {}
-
-
-def _has_waiters(snap: Any) -> bool:
-    """Whether a lock document still holds a live waiter's place, at its read time."""
-    return queue_head(queue_of(_data(snap)), server_ms(snap.read_time)) is not None
-
-
-def _queue_fields(data: Mapping[str, Any], queue: Queue, arrivals: int) -> dict[str, Any]:
-    """The queue fields of a write: ``queue`` and the arrival counter, or, once
-    nobody waits, the deletion of the fields ``data`` has."""
-    if queue:
-        return {WAITERS: queue_value(queue), ARRIVALS: arrivals}
-    return {name: _firestore().DELETE_FIELD for name in (WAITERS, ARRIVALS) if name in data}
-
-
-def _vacated(waiting_until: int) -> dict[str, Any]:
-    """The fields of a release that keeps the document for its waiters: no lock, and
-    the document's own expiry, the last waiter's (for cleanup and the TTL policy)."""
-    delete = _firestore().DELETE_FIELD
-    return {
-        "lockId": delete,
-        "fence": delete,
-        "acquiredAtMs": delete,
-        "expiresAtMs": waiting_until,
-        "purgeAt": purge_at(waiting_until),
-    }
-
-
-def _queue_update(
-    data: Mapping[str, Any], queue: Queue, arrivals: int, *, vacate: bool = False
-) -> dict[str, Any]:
-    """The update of a document that keeps waiters (``queue`` is not empty): the queue
-    fields, and when the document may be purged. A document without a lock (or whose
-    lock this write releases: ``vacate``) expires with its last waiter."""
-    fields = _queue_fields(data, queue, arrivals)
-    waiting_until = last_until(queue) or 0
-    if vacate:
-        return {**fields, **_vacated(waiting_until)}
-    if not data.get("lockId"):  # a waiter-only document
-        return {**fields, "expiresAtMs": waiting_until, "purgeAt": purge_at(waiting_until)}
-    return {**fields, "purgeAt": purge_at(max(int(data["expiresAtMs"]), waiting_until))}
-
-
 def _renewal_due(
     before: tuple[int, int] | None, after: tuple[int, int], ticket: WaitTicket, now: int
 ) -> bool:
@@ -886,29 +747,6 @@ def _field(name: str, op: str, value: Any) -> Any:
     from google.cloud.firestore_v1.base_query import FieldFilter
 
     return FieldFilter(name, op, value)
-
-
-def _bound_every_call(client: Any, timeout_s: float, *, asynchronous: bool = False) -> None:
-    """Give every RPC of ``client`` no retries and ``timeout_s``.
-
-    The generated client retries most calls for up to 60 s by default, and some calls
-    take no per-call settings, so the defaults are replaced once, on the transport.
-    """
-    from google.api_core import gapic_v1
-
-    wrap = gapic_v1.method_async.wrap_method if asynchronous else gapic_v1.method.wrap_method
-    transport = client._firestore_api.transport
-    for method in list(transport._wrapped_methods):
-        transport._wrapped_methods[method] = wrap(
-            method, default_retry=None, default_timeout=timeout_s
-        )
-
-
-def _guard_failed(error: LockError) -> bool:
-    """Whether a commit failed only because a precondition did not hold."""
-    from google.api_core.exceptions import AlreadyExists, Conflict, FailedPrecondition
-
-    return isinstance(error.context.get("cause"), FailedPrecondition | AlreadyExists | Conflict)
 
 
 async def _collect(items: Any) -> list[Any]:

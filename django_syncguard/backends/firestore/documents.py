@@ -1,0 +1,171 @@
+"""The Firestore backend's document layout: lock documents, their queues, fence counters.
+
+A key's **lock document** (id: :func:`document_id`, in ``OPTIONS["COLLECTION"]``):
+
+``lockId``, ``key``, ``fence``, ``acquiredAtMs``, ``expiresAtMs``
+    the lock (Firestore's clock, whole Unix ms); a *waiter-only* document has no
+    ``lockId``, ``fence`` or ``acquiredAtMs``, and ``expiresAtMs`` = when its last
+    waiter lapses;
+``purgeAt``
+    when a TTL policy may delete the document (past its lock and its waiters);
+``waiters``
+    map ``ticket id -> {"arrival": n, "liveUntilMs": ms}``;
+``arrivals``
+    the last arrival number handed out; both queue fields are absent when nobody waits.
+
+A key's **fence counter** (in ``OPTIONS["FENCE_COLLECTION"]``) has one field,
+``fence``: the last fence handed out, never deleted.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from ...constants import BACKEND_LIMITS, CLEANUP_GUARD_MS, RESERVE_BYTES, TIME_TOLERANCE_MS
+from ...keys import hash_storage_key, make_storage_key
+from ...liveness import is_live
+from ...waiting import Queue, queue_head
+from .client import _firestore
+
+#: Fields of a lock document.
+LOCK_ID = "lockId"
+KEY = "key"
+FENCE = "fence"
+ACQUIRED_AT_MS = "acquiredAtMs"
+EXPIRES_AT_MS = "expiresAtMs"
+PURGE_AT = "purgeAt"
+#: Document fields of a key's queue.
+WAITERS = "waiters"
+ARRIVALS = "arrivals"
+#: The field of a fence counter document.
+COUNTER_FENCE = "fence"
+
+LIMIT_BYTES = BACKEND_LIMITS["FIRESTORE"]
+RESERVE = RESERVE_BYTES["FIRESTORE"]
+_EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
+_MS = dt.timedelta(milliseconds=1)
+_RESERVED_ID = re.compile(r"__.*__", re.DOTALL)
+
+
+def server_ms(read_time: dt.datetime) -> int:
+    """A Firestore timestamp as whole Unix milliseconds."""
+    return (read_time - _EPOCH) // _MS
+
+
+def document_id(key: str) -> str:
+    """The lock document id of ``key``: its storage key, or the hashed form when that is
+    not a valid Firestore id (``a/b`` would be a path, ``.``, ``..`` and ``__x__`` are
+    refused by Firestore): every valid key gets a document."""
+    storage_key = make_storage_key("", key, LIMIT_BYTES, RESERVE)
+    if "/" in storage_key or storage_key in (".", "..") or _RESERVED_ID.fullmatch(storage_key):
+        return hash_storage_key("", key)
+    return storage_key
+
+
+def counter_id(lock_document_id: str) -> str:
+    """The fence counter document id of a lock document."""
+    return make_storage_key("", f"fence:{lock_document_id}", LIMIT_BYTES, RESERVE)
+
+
+def purge_at(expires_at_ms: int) -> dt.datetime:
+    """When a TTL policy may delete a lock document: past expiry, tolerance and guard."""
+    return _EPOCH + (expires_at_ms + CLEANUP_GUARD_MS["server"]) * _MS
+
+
+def fields_of(snap: Any) -> dict[str, Any]:
+    """A snapshot's fields; empty for a missing document."""
+    return (snap.to_dict() or {}) if snap.exists else {}
+
+
+# ---------------------------------------------------------------- the queue in a document
+def holds_lock(data: Mapping[str, Any], now_ms: int) -> bool:
+    """Whether the lock document ``data`` holds a live lock at ``now_ms``."""
+    return bool(data.get(LOCK_ID)) and is_live(int(data[EXPIRES_AT_MS]), now_ms, TIME_TOLERANCE_MS)
+
+
+def queue_of(data: Mapping[str, Any]) -> Queue:
+    """The waiters of a lock document as a :data:`~django_syncguard.waiting.Queue`."""
+    raw = data.get(WAITERS) or {}
+    return {
+        ticket_id: (int(entry["arrival"]), int(entry["liveUntilMs"]))
+        for ticket_id, entry in raw.items()
+        if isinstance(entry, Mapping)
+    }
+
+
+def queue_value(queue: Queue) -> dict[str, dict[str, int]]:
+    """``queue`` as the value of the ``waiters`` field."""
+    return {
+        ticket_id: {"arrival": arrival, "liveUntilMs": until}
+        for ticket_id, (arrival, until) in queue.items()
+    }
+
+
+def last_until(queue: Queue) -> int | None:
+    """When the last place in ``queue`` lapses (None: nobody waits)."""
+    return max((until for _, until in queue.values()), default=None)
+
+
+def first_waiter(data: Mapping[str, Any] | None, now_ms: int) -> str | None:
+    """The ticket a document state calls next: the first live waiter of a free key."""
+    if not data or holds_lock(data, now_ms):
+        return None
+    return queue_head(queue_of(data), now_ms)
+
+
+def has_waiters(snap: Any) -> bool:
+    """Whether a lock document still holds a live waiter's place, at its read time."""
+    return queue_head(queue_of(fields_of(snap)), server_ms(snap.read_time)) is not None
+
+
+# ------------------------------------------------------------------ writes
+def lock_fields(
+    lock_id: str, key: str, fence: str, acquired_at_ms: int, expires_at_ms: int
+) -> dict[str, Any]:
+    """The lock fields of a lock document (without its queue and ``purgeAt``)."""
+    return {
+        LOCK_ID: lock_id,
+        EXPIRES_AT_MS: expires_at_ms,
+        ACQUIRED_AT_MS: acquired_at_ms,
+        KEY: key,
+        FENCE: fence,
+    }
+
+
+def queue_fields(data: Mapping[str, Any], queue: Queue, arrivals: int) -> dict[str, Any]:
+    """The queue fields of a write: ``queue`` and the arrival counter, or, once
+    nobody waits, the deletion of the fields ``data`` has."""
+    if queue:
+        return {WAITERS: queue_value(queue), ARRIVALS: arrivals}
+    return {name: _firestore().DELETE_FIELD for name in (WAITERS, ARRIVALS) if name in data}
+
+
+def vacated(waiting_until: int) -> dict[str, Any]:
+    """The fields of a release that keeps the document for its waiters: no lock, and
+    the document's own expiry, the last waiter's (for cleanup and the TTL policy)."""
+    delete = _firestore().DELETE_FIELD
+    return {
+        LOCK_ID: delete,
+        FENCE: delete,
+        ACQUIRED_AT_MS: delete,
+        EXPIRES_AT_MS: waiting_until,
+        PURGE_AT: purge_at(waiting_until),
+    }
+
+
+def queue_update(
+    data: Mapping[str, Any], queue: Queue, arrivals: int, *, vacate: bool = False
+) -> dict[str, Any]:
+    """The update of a document that keeps waiters (``queue`` is not empty): the queue
+    fields, and when the document may be purged. A document without a lock (or whose
+    lock this write releases: ``vacate``) expires with its last waiter."""
+    fields = queue_fields(data, queue, arrivals)
+    waiting_until = last_until(queue) or 0
+    if vacate:
+        return {**fields, **vacated(waiting_until)}
+    if not data.get(LOCK_ID):  # a waiter-only document
+        return {**fields, EXPIRES_AT_MS: waiting_until, PURGE_AT: purge_at(waiting_until)}
+    return {**fields, PURGE_AT: purge_at(max(int(data[EXPIRES_AT_MS]), waiting_until))}

@@ -1,0 +1,190 @@
+"""The Redis backend's client layer: the one place that builds connections.
+
+:class:`RedisClients` turns an alias's settings (``LOCATION`` and the client
+``OPTIONS``) into redis-py clients: the synchronous client and its pool, one asyncio
+client per event loop (redis.asyncio binds a connection to its loop), and the
+connection pool of the wake-ups' dedicated pub/sub connection. It registers the Lua
+scripts on each client, and :func:`map_redis_error` turns redis-py's exceptions
+into ``LockError``. Nothing else in the package imports redis-py (:func:`_redis`
+imports it lazily, so the package imports without the extra): a new way to reach
+the server (Sentinel, Cluster) is code in this module only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import weakref
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from django.core.exceptions import ImproperlyConfigured
+
+from ...errors import (
+    AuthFailed,
+    Internal,
+    InvalidArgument,
+    LockError,
+    NetworkTimeout,
+    ServiceUnavailable,
+)
+from ..base import mapping_option, positive_int_option
+from ..event_loops import close_on_loop
+
+if TYPE_CHECKING:
+    import redis
+
+#: The ``OPTIONS`` this module reads (the backend adds them to its known options).
+CLIENT_OPTIONS = frozenset({"MAX_CONNECTIONS", "CLIENT_KWARGS"})
+DEFAULT_MAX_CONNECTIONS = 50
+
+# Server replies that mean "not now" rather than "wrong".
+_UNAVAILABLE_REPLIES = (
+    "BUSY",
+    "LOADING",
+    "MASTERDOWN",
+    "TRYAGAIN",
+    "CLUSTERDOWN",
+    "OOM",
+    "READONLY",
+    "NOREPLICAS",
+    "MISCONF",
+)
+_AUTH_REPLIES = ("NOAUTH", "WRONGPASS", "NOPERM")
+
+
+def _redis() -> Any:
+    """redis-py, imported on first use (the ``redis`` extra)."""
+    try:
+        import redis
+    except ImportError as exc:
+        raise ImproperlyConfigured(
+            'The Redis lock backend needs redis-py: pip install "django-syncguard[redis]".'
+        ) from exc
+    return redis
+
+
+def redis_error() -> type[Exception]:
+    """The base class of redis-py's exceptions (what :func:`map_redis_error` maps)."""
+    error: type[Exception] = _redis().exceptions.RedisError
+    return error
+
+
+def redis_response_error() -> type[Exception]:
+    """redis-py's class of error replies (the wake-ups' reader tells them apart)."""
+    error: type[Exception] = _redis().exceptions.ResponseError
+    return error
+
+
+def map_redis_error(exc: BaseException, alias: str) -> LockError:
+    """The ``LockError`` for a redis-py exception."""
+    redis = _redis()
+    errors = redis.exceptions
+    message = f"Redis ({alias!r}): {exc}"
+    text = str(exc).upper()
+    error_cls: type[LockError]
+    # redis-py strips the reply's code when it maps it to a class of its own: NOPERM
+    # arrives as NoPermissionError whose text no longer starts with "NOPERM".
+    denied = errors.AuthenticationError | errors.AuthorizationError | errors.NoPermissionError
+    if isinstance(exc, denied) or (
+        isinstance(exc, errors.ResponseError) and text.startswith(_AUTH_REPLIES)
+    ):
+        error_cls = AuthFailed
+    elif isinstance(exc, errors.TimeoutError):
+        error_cls = NetworkTimeout
+    elif isinstance(exc, errors.ConnectionError) or (
+        isinstance(exc, errors.ResponseError) and text.startswith(_UNAVAILABLE_REPLIES)
+    ):
+        error_cls = ServiceUnavailable
+    else:
+        error_cls = Internal
+    return error_cls(message, context={"cause": exc})
+
+
+class RedisClients:
+    """The clients of one backend object, built from its alias's settings.
+
+    ``scripts`` (name -> Lua) are registered on every client built here: :meth:`scripts`
+    for the synchronous client, :meth:`for_loop` for the running loop's.
+    """
+
+    def __init__(
+        self,
+        alias: str,
+        location: str,
+        options: Mapping[str, Any],
+        *,
+        connect_timeout_ms: int,
+        operation_timeout_ms: int,
+        scripts: Mapping[str, str],
+    ) -> None:
+        self.alias = alias
+        self.location = location
+        self.operation_timeout_s = operation_timeout_ms / 1000
+        self._lua = dict(scripts)
+        redis_py = _redis()
+        max_connections = positive_int_option(options, "MAX_CONNECTIONS", DEFAULT_MAX_CONNECTIONS)
+        self._kwargs: dict[str, Any] = {
+            "socket_connect_timeout": connect_timeout_ms / 1000,
+            "socket_timeout": self.operation_timeout_s,
+            # One attempt per call (specs/contract.md, Operations): a silently retried
+            # acquire whose reply was lost would find its own lock and report contention.
+            "retry": redis_py.retry.Retry(redis_py.backoff.NoBackoff(), 0),
+            "retry_on_error": [],
+            "max_connections": max_connections,
+            **mapping_option(options, "CLIENT_KWARGS"),
+        }
+        try:
+            self._sync: redis.Redis = redis_py.Redis.from_url(location, **self._kwargs)
+        except ValueError as exc:
+            raise InvalidArgument(f"LOCATION {location!r} is not a redis URL: {exc}") from exc
+        self._scripts = {name: self._sync.register_script(lua) for name, lua in self._lua.items()}
+        self._loops: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, Any]] = (
+            weakref.WeakKeyDictionary()
+        )
+
+    def sync(self) -> redis.Redis:
+        """The synchronous client (thread-safe: its pool hands each call a connection)."""
+        return self._sync
+
+    def scripts(self) -> dict[str, Any]:
+        """The scripts, bound to the synchronous client."""
+        return self._scripts
+
+    def for_loop(self) -> dict[str, Any]:
+        """The scripts bound to the running loop's asyncio client (built on first use),
+        and that client under ``"_client"``."""
+        loop = asyncio.get_running_loop()
+        scripts = self._loops.get(loop)
+        if scripts is None:
+            client = _redis().asyncio.Redis.from_url(self.location, **self._kwargs)
+            scripts = {name: client.register_script(lua) for name, lua in self._lua.items()}
+            scripts["_client"] = client
+            self._loops[loop] = scripts
+        return scripts
+
+    def async_client(self) -> Any:
+        """The running loop's ``redis.asyncio.Redis``."""
+        return self.for_loop()["_client"]
+
+    def pubsub_connection_pool(self) -> Any:
+        """A new pool of one connection, outside the backend's pool, for the wake-ups'
+        subscriber: RESP2 (its reader parses pub/sub replies as plain arrays), and no
+        health check of redis-py's (the reader pings after silence itself; redis-py
+        would ping before commands only)."""
+        kwargs = dict(self._kwargs)
+        kwargs.pop("single_connection_client", None)  # a Redis() argument, not a pool's
+        kwargs.update(max_connections=1, protocol=2, health_check_interval=0)
+        return _redis().ConnectionPool.from_url(self.location, **kwargs)
+
+    def close(self) -> None:
+        """Close the synchronous client and every loop's asyncio client, each on its loop."""
+        self._sync.close()
+        loops, self._loops = self._loops, weakref.WeakKeyDictionary()
+        for loop, scripts in list(loops.items()):
+            close_on_loop(loop, scripts["_client"].aclose, self.operation_timeout_s)
+
+    async def aclose(self) -> None:
+        """Close the running loop's asyncio client (the others stay)."""
+        scripts = self._loops.pop(asyncio.get_running_loop(), None)
+        if scripts is not None:
+            await scripts["_client"].aclose()

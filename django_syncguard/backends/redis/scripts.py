@@ -1,0 +1,319 @@
+"""The Lua scripts of the Redis backend, one per operation (``specs/backends/redis.md``).
+
+Each script runs atomically on the server and reads the server's clock, so one
+operation is one round trip and client clocks never matter. The header of each
+states its KEYS and ARGV (Lua arrays count from 1) and what it returns; the lock
+hash's fields are described in :mod:`.backend`. The scripts are plain strings: the
+client layer (:mod:`.client`) registers them on each client it builds.
+"""
+
+from __future__ import annotations
+
+# Fragment, first in every script: ``now`` = the Redis server's clock (TIME), in
+# whole Unix milliseconds. Reads no KEYS or ARGV.
+_NOW = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+"""
+
+# Fragment: the queue helpers (functions of the hash name they are given; they read
+# no KEYS or ARGV themselves). The queue of waiters lives in the lock hash itself
+# (same key, same slot): fields 'w:<ticket id>' = '<arrival> <live until ms>',
+# 'q' = how many there are (read with the lock fields, so an empty queue costs the
+# hot path nothing) and 'n' = the last arrival number handed out. 'q' and 'n' go
+# when the queue empties. These helpers read the whole hash (HGETALL): only when 'q'
+# says somebody waits. Scripts define them inside the branch that needs them, so the
+# path without waiters does not even create their closures.
+_QUEUE = """
+local function hdel_all(h, names)
+  for j = 1, #names, 500 do
+    redis.call('HDEL', h, unpack(names, j, math.min(j + 499, #names)))
+  end
+end
+-- The live waiters of hash h as {ticket id = arrival}, their count, and the id of the
+-- first; stale ones (live until <= now) are deleted.
+local function queue_load(h, now)
+  local all = redis.call('HGETALL', h)
+  local live, stale, count, head, first = {}, {}, 0, nil, nil
+  for j = 1, #all, 2 do
+    local name = all[j]
+    if string.sub(name, 1, 2) == 'w:' then
+      local value = all[j + 1]
+      local space = string.find(value, ' ', 1, true)
+      local arrival = tonumber(string.sub(value, 1, space - 1))
+      if tonumber(string.sub(value, space + 1)) > now then
+        local id = string.sub(name, 3)
+        live[id] = arrival
+        count = count + 1
+        if first == nil or arrival < first then
+          head, first = id, arrival
+        end
+      else
+        stale[#stale + 1] = name
+      end
+    end
+  end
+  hdel_all(h, stale)
+  return live, count, head
+end
+-- Record the number of waiters (only when it changed); an empty queue leaves no field.
+local function queue_store(h, count, stored)
+  if count == stored then
+    return
+  end
+  if count > 0 then
+    redis.call('HSET', h, 'q', count)
+  else
+    redis.call('HDEL', h, 'q', 'n')
+  end
+end
+-- The key is free: wake the first live waiter, if any (only it).
+local function wake_next(h, now, stored)
+  local _, count, head = queue_load(h, now)
+  queue_store(h, count, stored)
+  if head then
+    -- pcall: an ACL that denies this user channels must not fail a release whose
+    -- writes are done (its waiters cannot subscribe either: they poll).
+    redis.pcall('PUBLISH', h, head)
+  end
+end
+"""
+
+#: KEYS: [1] lock hash, [2] index key of the new lock id.
+#: ARGV: [1] lock id, [2] ttl ms, [3] tolerance ms, [4] max fence, [5] user key (""
+#: when not hashed), and for a caller with a wait ticket: [6] ticket id, [7] patience ms.
+#: Returns {0} contention ({0, position} for a queued ticket), {2} fence overflow
+#: (nothing written), {1, fence, expires}.
+ACQUIRE = (
+    _NOW
+    + """
+local cur = redis.call('HMGET', KEYS[1], 'i', 'e', 'f', 'q')
+local free = not cur[1] or tonumber(cur[2]) <= now - tonumber(ARGV[3])
+local ticket = ARGV[6] or ''
+if not free and ticket == '' then
+  return {0}
+end
+local fence = (tonumber(cur[3]) or 0) + 1
+if free and fence > tonumber(ARGV[4]) then
+  return {2}
+end
+local waiting = tonumber(cur[4]) or 0
+if waiting > 0 or not free then
+"""
+    + _QUEUE
+    + """
+  local live, count, head = queue_load(KEYS[1], now)
+  if free and (head == nil or head == ticket) then
+    if live[ticket] then
+      redis.call('HDEL', KEYS[1], 'w:' .. ticket)
+      count = count - 1
+    end
+    queue_store(KEYS[1], count, waiting)
+  elseif ticket == '' then
+    queue_store(KEYS[1], count, waiting)
+    return {0}
+  else
+    local mine = live[ticket]
+    if mine == nil then
+      mine = redis.call('HINCRBY', KEYS[1], 'n', 1)
+      count = count + 1
+    end
+    redis.call('HSET', KEYS[1], 'w:' .. ticket, mine .. ' ' .. (now + tonumber(ARGV[7])))
+    queue_store(KEYS[1], count, waiting)
+    local ahead = 0
+    for _, arrival in pairs(live) do
+      if arrival < mine then
+        ahead = ahead + 1
+      end
+    end
+    return {0, ahead}
+  end
+end
+local expires = now + tonumber(ARGV[2])
+if ARGV[5] ~= '' then
+  redis.call('HSET', KEYS[1], 'f', fence, 'i', ARGV[1], 'e', expires, 'a', now, 'k', ARGV[5])
+else
+  redis.call('HSET', KEYS[1], 'f', fence, 'i', ARGV[1], 'e', expires, 'a', now)
+end
+redis.call('SET', KEYS[2], KEYS[1], 'PX', tonumber(ARGV[2]) + tonumber(ARGV[3]))
+return {1, fence, expires}
+"""
+)
+
+# Fragment of RELEASE and EXTEND. KEYS: [1] index key. ARGV: [1] lock id,
+# [2] tolerance ms. Leaves ``lock`` (the hash name) and ``cur`` = {i, e, q}.
+# Release and extend resolve the index to the lock hash, require the hash to carry
+# this lock id (specs/contract.md, Operations: the stored lock id is re-checked) and
+# to be live, then mutate: all inside one script.
+_RESOLVE = (
+    _NOW
+    + """
+local lock = redis.call('GET', KEYS[1])
+if not lock then
+  return {0}
+end
+local cur = redis.call('HMGET', lock, 'i', 'e', 'q')
+if cur[1] ~= ARGV[1] then
+  return {0}
+end
+if tonumber(cur[2]) <= now - tonumber(ARGV[2]) then
+  return {2}
+end
+"""
+)
+
+#: KEYS: [1] index key. ARGV: [1] lock id, [2] tolerance ms.
+#: Returns {1} released, {2} expired, {0} not found. The fence field stays. When
+#: waiters queue ('q' > 0), the first live one is woken by PUBLISH.
+RELEASE = (
+    _RESOLVE
+    + """
+redis.call('HDEL', lock, 'i', 'e', 'a', 'k')
+redis.call('DEL', KEYS[1])
+local waiting = tonumber(cur[3]) or 0
+if waiting > 0 then
+"""
+    + _QUEUE
+    + """
+  wake_next(lock, now, waiting)
+end
+return {1}
+"""
+)
+
+#: KEYS: [1] lock hash. ARGV: [1] ticket id, [2] tolerance ms.
+#: Removes the ticket; when the key is free, wakes the (new) first live waiter.
+#: Returns 1 when the ticket was queued, else 0.
+WITHDRAW = (
+    _NOW
+    + _QUEUE
+    + """
+local cur = redis.call('HMGET', KEYS[1], 'i', 'e', 'q')
+local waiting = tonumber(cur[3]) or 0
+if waiting == 0 or redis.call('HDEL', KEYS[1], 'w:' .. ARGV[1]) == 0 then
+  return 0
+end
+if cur[1] and tonumber(cur[2]) > now - tonumber(ARGV[2]) then
+  queue_store(KEYS[1], waiting - 1, waiting)
+else
+  wake_next(KEYS[1], now, waiting)
+end
+return 1
+"""
+)
+
+#: KEYS: [1] index key. ARGV: [1] lock id, [2] tolerance ms, [3] ttl ms.
+#: Returns {1, expires}, {2} expired, {0} not found.
+EXTEND = (
+    _RESOLVE
+    + """
+local expires = now + tonumber(ARGV[3])
+redis.call('HSET', lock, 'e', expires)
+redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[3]) + tonumber(ARGV[2]))
+return {1, expires}
+"""
+)
+
+#: KEYS: [1] lock hash. ARGV: [1] tolerance ms, [2] cleanup guard ms (0: never write).
+#: Returns 1 when live. With a guard, removes the lock fields (never the fence) of a
+#: lock expired longer ago than the guard, after deciding the answer.
+IS_LOCKED = (
+    _NOW
+    + """
+local cur = redis.call('HMGET', KEYS[1], 'i', 'e')
+if not cur[1] then
+  return 0
+end
+local expires = tonumber(cur[2])
+if expires > now - tonumber(ARGV[1]) then
+  return 1
+end
+local guard = tonumber(ARGV[2])
+if guard > 0 and now - expires > guard then
+  redis.call('HDEL', KEYS[1], 'i', 'e', 'a', 'k')
+end
+return 0
+"""
+)
+
+#: KEYS: [1] lock hash. ARGV: [1] tolerance ms.
+#: Returns {} or {i, e, a, f, k}.
+LOOKUP_BY_KEY = (
+    _NOW
+    + """
+local cur = redis.call('HMGET', KEYS[1], 'i', 'e', 'a', 'f', 'k')
+if not cur[1] or tonumber(cur[2]) <= now - tonumber(ARGV[1]) then
+  return {}
+end
+return {cur[1], cur[2], cur[3], cur[4], cur[5] or ''}
+"""
+)
+
+#: KEYS: [1] index key. ARGV: [1] lock id, [2] tolerance ms.
+#: Returns {} or {hash, i, e, a, f, k}.
+LOOKUP_BY_ID = (
+    _NOW
+    + """
+local lock = redis.call('GET', KEYS[1])
+if not lock then
+  return {}
+end
+local cur = redis.call('HMGET', lock, 'i', 'e', 'a', 'f', 'k')
+if cur[1] ~= ARGV[1] or tonumber(cur[2]) <= now - tonumber(ARGV[2]) then
+  return {}
+end
+return {lock, cur[1], cur[2], cur[3], cur[4], cur[5] or ''}
+"""
+)
+
+#: KEYS: the lock hashes found by one SCAN. ARGV: [1] tolerance ms.
+#: Returns {now, name, i, e, a, f, k, name, i, ...} for the live locks among them.
+LIST_LIVE = (
+    _NOW
+    + """
+local out = {now}
+for _, name in ipairs(KEYS) do
+  local cur = redis.call('HMGET', name, 'i', 'e', 'a', 'f', 'k')
+  if cur[1] and tonumber(cur[2]) > now - tonumber(ARGV[1]) then
+    table.insert(out, name)
+    for j = 1, 4 do table.insert(out, cur[j]) end
+    table.insert(out, cur[5] or '')
+  end
+end
+return out
+"""
+)
+
+#: KEYS: the lock hashes found by one SCAN. ARGV: [1] cleanup guard ms, [2] "1" to
+#: only count.
+#: Removes the lock fields (never the fence) of locks expired longer ago than the
+#: guard, as IS_LOCKED's cleanup does; returns how many.
+DELETE_EXPIRED = (
+    _NOW
+    + """
+local n = 0
+for _, name in ipairs(KEYS) do
+  local cur = redis.call('HMGET', name, 'i', 'e')
+  if cur[1] and tonumber(cur[2]) < now - tonumber(ARGV[1]) then
+    n = n + 1
+    if ARGV[2] ~= '1' then
+      redis.call('HDEL', name, 'i', 'e', 'a', 'k')
+    end
+  end
+end
+return n
+"""
+)
+
+#: Every script by the name the backend calls it by.
+SCRIPTS = {
+    "acquire": ACQUIRE,
+    "release": RELEASE,
+    "withdraw": WITHDRAW,
+    "extend": EXTEND,
+    "is_locked": IS_LOCKED,
+    "lookup_by_key": LOOKUP_BY_KEY,
+    "lookup_by_id": LOOKUP_BY_ID,
+    "list_live": LIST_LIVE,
+    "delete_expired": DELETE_EXPIRED,
+}
