@@ -53,8 +53,6 @@ from typing import Protocol
 from ..lifecycle import abandon
 from .listeners import WakeUps
 
-logger = logging.getLogger("django_syncguard.waiting.channels")
-
 #: A channel whose last local waiter left stays subscribed this long.
 IDLE_CHANNEL_S = 30.0
 #: The reconnect backoff: at once after a connection that lived, then from the
@@ -127,12 +125,26 @@ class Connection(Protocol):
 class Transport(Protocol):
     """How one backend's channel is reached (see the module docstring)."""
 
-    #: Whether :meth:`ChannelWorker.listen` waits for the server's confirmation.
-    confirms_on_listen: bool
-    #: Idle channels kept subscribed at most.
-    idle_cap: int
-    #: Channels subscribed at most (None: no limit); waiters beyond it poll.
-    max_channels: int | None
+    @property
+    def confirms_on_listen(self) -> bool:
+        """Whether :meth:`ChannelWorker.listen` subscribes and waits for the server's
+        confirmation (else the backend asks when it queues a ticket)."""
+
+    @property
+    def idle_cap(self) -> int:
+        """Idle channels kept subscribed at most."""
+
+    @property
+    def max_channels(self) -> int | None:
+        """Channels subscribed at most (None: no limit); waiters beyond it poll."""
+
+    @property
+    def connection_name(self) -> str:
+        """What the worker's log calls the connection ("Redis connection")."""
+
+    @property
+    def logger(self) -> logging.Logger:
+        """The backend's logger, which the worker logs on."""
 
     def channel(self, key: str) -> str:
         """The channel a key's releases are announced on."""
@@ -292,7 +304,9 @@ class ChannelWorker(WakeUps):
         if limit is not None and len(self._channels) >= limit:
             self._expire_idle(time.monotonic(), keep=0)
             if len(self._channels) >= limit:
-                logger.info("%s listens to %d channels: this waiter polls.", self.name, limit)
+                self.transport.logger.info(
+                    "%s listens to %d channels: this waiter polls.", self.name, limit
+                )
                 return False
         self._channels[channel] = key
         return True
@@ -392,7 +406,7 @@ class ChannelWorker(WakeUps):
             try:
                 connection.close()
             except Exception as exc:
-                logger.debug("Closing the wake-up connection of %s: %r", self.name, exc)
+                self.transport.logger.debug("Closing the wake-ups of %s: %r", self.name, exc)
 
     def _serve(self, connection: Connection) -> bool:
         """Subscribe again, then read and reconcile until there is nothing left to
@@ -502,14 +516,16 @@ class ChannelWorker(WakeUps):
         if was is State.CLOSED:
             return
         # The log first: it then precedes whatever the woken waiters do and log.
+        log, connection = self.transport.logger, self.transport.connection_name
         if was is not State.DOWN:
-            logger.warning(
-                "Wake-ups of %s have no connection (%r); waiters poll until it is back.",
+            log.warning(
+                "Wake-ups of %s lost their %s (%r); waiters poll until it is back.",
                 self.name,
+                connection,
                 exc,
             )
         else:
-            logger.debug("Wake-ups of %s still cannot connect: %r", self.name, exc)
+            log.debug("Wake-ups of %s still cannot open a %s: %r", self.name, connection, exc)
         if heard or was is State.CONNECTED:
             self.connection_lost()
 

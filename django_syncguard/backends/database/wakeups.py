@@ -126,6 +126,8 @@ class PostgresTransport:
     confirms_on_listen = False
     idle_cap = IDLE_CHANNEL_CAP
     max_channels: int | None = None
+    connection_name = "PostgreSQL connection"
+    logger = logger
 
     def __init__(
         self,
