@@ -333,9 +333,10 @@ def contention_table(runs: dict[str, dict[str, list[dict[str, Any]]]]) -> list[s
             per_round = [n / o for o, n in zip(rates["old"], rates["new"], strict=False)]
             p50 = pct(waits["new"], 50) / pct(waits["old"], 50)
             p99 = pct(waits["new"], 99) / pct(waits["old"], 99)
+            mean = statistics.mean(rates["new"]) / statistics.mean(rates["old"])
             ratios.append(
-                f"| {TITLES[backend]} | **{statistics.mean(rates['new']) / statistics.mean(rates['old']):.2f}** "
-                f"| {spread(per_round)} | {p50:.2f} | {p99:.2f} |"
+                f"| {TITLES[backend]} | **{mean:.2f}** | {spread(per_round)} "
+                f"| {p50:.2f} | {p99:.2f} |"
             )
     return [
         *lines,
