@@ -397,6 +397,9 @@ def main() -> None:
     seconds = args.seconds or (1.0 if quick else 8.0)
     contention_rounds = 1 if quick and not args.rounds else rounds
     command = "python bench/package_ab.py " + " ".join(sys.argv[1:])
+    # A plain `kill` ends the run as Ctrl-C does: the finally blocks stop the cell's
+    # processes, the servers and remove the worktree.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     from bench.contention import Section, serve
     from bench.report import background, machine_rows
