@@ -20,6 +20,7 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 Acquire = Callable[[str], Any]
@@ -397,11 +398,12 @@ def _elapsed(sample: Sample, seconds: float) -> float:
     return sample.busy_ns / 1e9 if sample.busy_ns else seconds
 
 
-def postgres_database(port: int, **options: Any) -> dict[str, Any]:
-    """A ``DATABASES`` entry for the benchmark database on the loopback PostgreSQL."""
+def postgres_database(port: int, *, name: str = "bench", **options: Any) -> dict[str, Any]:
+    """A ``DATABASES`` entry for the benchmark database ``name`` on the loopback
+    PostgreSQL; ``options`` are its ``OPTIONS``."""
     return {
         "ENGINE": "django.db.backends.postgresql",
-        "NAME": "bench",
+        "NAME": name,
         "USER": "postgres",
         "HOST": "127.0.0.1",
         "PORT": str(port),
@@ -409,8 +411,13 @@ def postgres_database(port: int, **options: Any) -> dict[str, Any]:
     }
 
 
-def configure_django(databases: dict[str, dict[str, Any]]) -> None:
-    """Django for a benchmark process: these ``DATABASES``, this app, nothing else."""
+def configure_django(
+    databases: dict[str, dict[str, Any]], backends: dict[str, dict[str, Any]] | None = None
+) -> None:
+    """Django for a benchmark process: these ``DATABASES``, this app, nothing else.
+
+    ``backends`` is ``SYNCGUARD_BACKENDS`` (default: one memory backend; the benchmarks
+    mostly build their backends themselves and pass them as ``using=``)."""
     import django
     from django.conf import settings
 
@@ -420,21 +427,42 @@ def configure_django(databases: dict[str, dict[str, Any]]) -> None:
         DATABASES=databases,
         INSTALLED_APPS=["django.contrib.contenttypes", "django_syncguard"],
         USE_TZ=True,
-        SYNCGUARD_BACKENDS={
-            "default": {"BACKEND": "django_syncguard.backends.memory.MemoryBackend"}
-        },
+        SYNCGUARD_BACKENDS=backends
+        or {"default": {"BACKEND": "django_syncguard.backends.memory.MemoryBackend"}},
     )
     django.setup()
 
 
-def create_bench_database(port: int) -> str:
-    """Create the database ``bench`` on the loopback PostgreSQL at ``port``; return the
+def create_bench_database(port: int, name: str = "bench") -> str:
+    """Create the database ``name`` on the loopback PostgreSQL at ``port``; return the
     server's version."""
     import psycopg
+    from psycopg import sql
 
     with psycopg.connect(
         host="127.0.0.1", port=port, user="postgres", dbname="postgres", autocommit=True
     ) as admin:
-        admin.execute("CREATE DATABASE bench")
+        admin.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
         row = admin.execute("SHOW server_version").fetchone()
     return str(row[0]) if row else "?"
+
+
+def shadow_package(tree: Path, into: Path) -> Path:
+    """A directory holding only ``django_syncguard``, a symlink to ``tree``'s; returned.
+
+    Put first on ``sys.path`` (or ``PYTHONPATH``), it makes the package of ``tree`` the
+    one imported while ``bench`` and ``tests`` still come from this checkout. Putting
+    ``tree`` itself first would also take its ``bench/`` and ``tests/``, which may
+    predate (or lack) the code that measures it.
+    """
+    package = tree.resolve() / "django_syncguard"
+    if not (package / "__init__.py").is_file():
+        raise SystemExit(f"{tree} has no django_syncguard package")
+    into.mkdir(parents=True, exist_ok=True)
+    (into / "django_syncguard").symlink_to(package, target_is_directory=True)
+    return into
+
+
+def imported_from(module: Any, tree: Path) -> bool:
+    """Whether ``module`` (a package) was imported from ``tree``, symlinks resolved."""
+    return Path(module.__file__).resolve().is_relative_to(tree.resolve())

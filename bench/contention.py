@@ -57,7 +57,11 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+# Only when missing: bench/ab.py's processes put another tree's django_syncguard before
+# this checkout on sys.path, and importing this module (in spawned children too) must
+# not undo that.
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
 
 from bench.common import configure_django, create_bench_database, postgres_database  # noqa: E402
 
@@ -114,6 +118,7 @@ class Target:
     backend: str
     location: str = ""  # Redis URL, SQLite file or Firestore emulator host
     port: int = 0  # PostgreSQL
+    database: str = "bench"  # PostgreSQL
 
 
 # ====================================================================== clients
@@ -273,7 +278,7 @@ def setup_process(target: Target, migrate: bool) -> None:
     """Django (``lock()`` asks it for open transactions), the request counters, and
     the migration once (by process 0)."""
     if target.backend == "postgres":
-        configure_django({"default": postgres_database(target.port)})
+        configure_django({"default": postgres_database(target.port, name=target.database)})
         patch_psycopg()
     elif target.backend == "sqlite":
         configure_django({"default": sqlite_database(target.location)})
@@ -943,8 +948,11 @@ class Section:
 
 
 @contextlib.contextmanager
-def serve(name: str, section: Section) -> Any:
-    """Start ``name``'s server; yield its ``Target``; stop and remove it."""
+def serve(name: str, section: Section, durable: bool = True) -> Any:
+    """Start ``name``'s server; yield its ``Target``; stop and remove it.
+
+    ``durable=False`` runs PostgreSQL as the tests do (no fsync), for comparisons of
+    client code that the disk's flush times would drown (bench/package_ab.py)."""
     if name == "redis":
         import redis
 
@@ -965,13 +973,18 @@ def serve(name: str, section: Section) -> Any:
 
         from tests.support.servers import PostgresServer
 
-        pg = PostgresServer(settings=()).start()  # durable defaults, as bench/report.py
+        # Durable defaults, as bench/report.py; else the test servers' settings.
+        pg = (PostgresServer(settings=()) if durable else PostgresServer()).start()
         try:
             version = create_bench_database(pg.port)
+            settings = (
+                "default settings (fsync on, synchronous_commit on)"
+                if durable
+                else ", ".join(pg.settings) + " (as the tests run it)"
+            )
             section.server = (
-                f"PostgreSQL {version} on 127.0.0.1, default settings (fsync on, "
-                f"synchronous_commit on); psycopg {psycopg.__version__}, no prepared "
-                "statements (Django's default)"
+                f"PostgreSQL {version} on 127.0.0.1, {settings}; psycopg "
+                f"{psycopg.__version__}, no prepared statements (Django's default)"
             )
             yield Target("postgres", port=pg.port)
         finally:
