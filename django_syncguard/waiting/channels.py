@@ -239,10 +239,10 @@ class ChannelWorker(WakeUps):
         self.poke()
         if thread is not None and thread is not threading.current_thread():
             thread.join(self._timeout_s + 1)
-            if thread.is_alive():
-                return  # stuck on the network: it may still read the socket pair
-        self._poke_r.close()
-        self._poke_w.close()
+        if thread is None or not thread.is_alive():  # else it may still read the pair
+            self._poke_r.close()
+            self._poke_w.close()
+        self.connection_lost()  # listeners still registered poll from now on
 
     def poke(self) -> None:
         """Wake the thread's selector (a full socket pair is a poke already)."""
@@ -319,9 +319,9 @@ class ChannelWorker(WakeUps):
                 self._idle.pop(channel, None)
                 self._idle[channel] = time.monotonic()
                 if len(self._idle) > self.transport.idle_cap:
+                    # Beyond the cap at once; the thread sends the unsubscription.
+                    self._expire_idle(time.monotonic())
                     self.poke()
-                elif self._state is State.IDLE:
-                    self._start()  # only the thread expires idle channels
 
     def _expire_idle(self, now: float, *, keep: int | None = None) -> float:
         """Forget idle channels past :data:`IDLE_CHANNEL_S` or beyond ``keep``
@@ -364,7 +364,7 @@ class ChannelWorker(WakeUps):
 
     def _run(self) -> None:
         failures = 0  # in a row: connections that failed, or broke soon after opening
-        while not self._stop.is_set() and self._still_needed():
+        while not self._stop.is_set() and self._still_needed() and self._mine():
             opened: float | None = None
             connection: Connection | None = None
             try:
@@ -387,6 +387,11 @@ class ChannelWorker(WakeUps):
                 self._disconnect(connection)
             self._stop.wait(reconnect_delay_s(failures))
             self._drain_pokes()
+
+    def _mine(self) -> bool:
+        """Whether this thread is still the worker's (a state rebuilt after a fork, or
+        by a test pretending one, has a thread of its own)."""
+        return self._thread is threading.current_thread()
 
     def _still_needed(self) -> bool:
         """Whether any channel is wanted; if not, the thread ends (a waiter that comes
@@ -432,7 +437,7 @@ class ChannelWorker(WakeUps):
             selector.register(self._poke_r, selectors.EVENT_READ)
             if fd is not None:
                 selector.register(fd, selectors.EVENT_READ)
-            while not self._stop.is_set():
+            while not self._stop.is_set() and self._mine():
                 next_expiry = self._reconcile(connection)
                 if next_expiry is None:
                     return True

@@ -4,16 +4,19 @@ A key's waiters live in its lock document, beside the lock fields, so the acquir
 one read sees both (the layout: ``documents.py``). A release that leaves waiters
 keeps the document without its lock fields (a *waiter-only* document). Each process
 watches the lock documents of the keys its waiters wait for, and wakes the first live
-waiter when a document shows the key free: :class:`FirestoreWakeUps`.
+waiter when a document shows the key free: :class:`FirestoreWakeUps`, the package's
+:class:`~django_syncguard.waiting.channels.ChannelWorker` over a
+:class:`FirestoreTransport` (a key's channel is its lock document's name).
 
 **One Listen stream per backend object and process.** The Python client's
 ``on_snapshot`` opens one gRPC stream and one consumer thread per watched document, and
 reopens a broken stream silently and without backoff, so that a waiter could not tell
 that releases may have gone unseen. This module therefore speaks Firestore's Listen
 protocol itself, on the backend's own client (its gRPC channel): one bidirectional
-stream carries one document target per watched key, added and removed as waiters come
-and go, read by one thread that reconnects with a bounded backoff and reports every
-break through :meth:`~django_syncguard.waiting.WakeUps.connection_lost`.
+stream carries one document target per watched key, added and removed as the worker
+subscribes and unsubscribes. gRPC's stream is read by blocking iteration, so each
+stream has a pump thread that turns responses into the worker's events and pokes it;
+a response that leaves our view in doubt ends the stream, and the worker reconnects.
 """
 
 from __future__ import annotations
@@ -22,40 +25,22 @@ import atexit
 import logging
 import queue
 import threading
-import time
 import weakref
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
-from ...waiting import WakeUps
+from ...waiting.channels import ChannelWorker, Confirmed, Event, Message
 from .client import database_string, decode_fields, document_name, listen_stub, rpc_metadata
 from .documents import first_waiter
 
 logger = logging.getLogger("django_syncguard.backends.firestore.wakeups")
 
-#: A watch whose key has had no local waiter this long is removed from the stream.
-IDLE_UNWATCH_S = 30.0
 #: Idle watches kept at most; beyond it the longest idle ones go at once.
 MAX_IDLE_WATCHES = 64
 #: Watched keys per process and backend; waiters on further keys poll.
 MAX_WATCHES = 1_000
-#: Reconnection delays after a broken stream: doubled per failed try, up to the maximum.
-RECONNECT_MIN_S = 0.1
-RECONNECT_MAX_S = 5.0
 #: How long a stream closed on purpose may take to end before it is cancelled.
 END_GRACE_S = 2.0
-
-
-# ---------------------------------------------------------------------- the wake-ups
-@dataclass(eq=False)
-class _Watch:
-    """One watched key: its target on the stream, and whether the server confirmed it."""
-
-    target_id: int
-    name: str  # the lock document's resource name
-    confirmed: bool = False  # the server sent its state: no release goes unseen now
-    idle_since: float | None = None  # monotonic; None while the key has local waiters
 
 
 class _Resync(Exception):
@@ -88,19 +73,17 @@ class _Stream:
         self.pending: dict[str, dict[str, Any] | None] = {}  # name -> state (None: missing)
         self.exists: dict[str, bool] = {}  # name -> whether the document exists
 
-    def add(self, watch: _Watch) -> None:
+    def add(self, target_id: int, name: str) -> None:
         from google.cloud.firestore_v1.types import ListenRequest, Target
 
-        target = Target(
-            documents=Target.DocumentsTarget(documents=[watch.name]), target_id=watch.target_id
-        )
-        self.targets.add(watch.target_id)
+        target = Target(documents=Target.DocumentsTarget(documents=[name]), target_id=target_id)
+        self.targets.add(target_id)
         self.requests.put(ListenRequest(database=self.database, add_target=target))
 
-    def remove(self, watch: _Watch) -> None:
-        self.pending.pop(watch.name, None)
-        self.exists.pop(watch.name, None)
-        self._remove(watch.target_id)
+    def remove(self, target_id: int, name: str) -> None:
+        self.pending.pop(name, None)
+        self.exists.pop(name, None)
+        self._remove(target_id)
 
     def _remove(self, target_id: int) -> None:
         from google.cloud.firestore_v1.types import ListenRequest
@@ -123,7 +106,7 @@ class _Stream:
 
     def end(self, grace_s: float, *, on_purpose: bool = True) -> None:
         """Close the call politely (see the class docstring); cancel it if it is still
-        open after ``grace_s``. Caller holds the wake-ups' lock."""
+        open after ``grace_s``. Caller holds the connection's lock."""
         self.ended = self.ended or on_purpose
         if self.closing:
             return
@@ -162,228 +145,129 @@ def _ms(timestamp: Any) -> int:
     return int(timestamp.seconds) * 1000 + int(timestamp.nanos) // 1_000_000
 
 
-class FirestoreWakeUps(WakeUps):
-    """Wake-ups through a Listen stream on the lock documents of waited-for keys.
+class FirestoreTransport:
+    """Firestore Listen as a channel transport. ``client`` returns the backend's (sync)
+    Firestore client, ``document`` the lock document reference of a key."""
 
-    ``client`` returns the backend's (sync) Firestore client, ``document`` the lock
-    document reference of a key; ``timeout_s`` bounds how long :meth:`listen` waits for
-    the server to confirm a new watch.
-    """
-
-    reaches_other_processes = True
+    confirms_on_listen = True
+    max_channels: int | None = MAX_WATCHES
+    connection_name = "Firestore stream"
+    logger = logger
 
     def __init__(
-        self,
-        name: str,
-        *,
-        client: Callable[[], Any],
-        document: Callable[[str], Any],
-        timeout_s: float,
+        self, client: Callable[[], Any], document: Callable[[str], Any], grace_s: float
     ) -> None:
-        super().__init__(name)
         self._client = client
         self._document = document
-        self._timeout_s = timeout_s
-        self._grace_s = min(timeout_s, END_GRACE_S)
-        self._closed = False
-        self._init_state()
-
-    def _init_state(self) -> None:
-        self._wlock = threading.Lock()  # watches and stream; taken before WakeUps._mutex
-        self._changed = threading.Condition(self._wlock)  # a watch confirmed, a stream lost
-        self._watches: dict[str, _Watch] = {}
-        self._keys: dict[str, str] = {}  # document name -> key
-        self._next_target = 1
-        self._stream: _Stream | None = None
-        self._thread: threading.Thread | None = None
-        self._connected = False
-        self._broken = False  # the last stream failed: reconnecting
-        self._stop = threading.Event()
-        self._sweeper: threading.Timer | None = None
+        self._grace_s = grace_s
 
     @property
-    def connected(self) -> bool:
-        return self._connected and not self._closed
+    def idle_cap(self) -> int:
+        return MAX_IDLE_WATCHES
 
-    def wait_connected(self, timeout_s: float) -> bool:
-        """Block until the stream is established (True), at most ``timeout_s``."""
-        with self._wlock:
-            return self._changed.wait_for(lambda: self.connected, timeout_s)
+    def channel(self, key: str) -> str:
+        return document_name(self._document(key))
 
-    def watched(self) -> list[str]:
-        """The keys on the stream now (waited for, or idle and not yet unwatched)."""
-        with self._wlock:
-            return list(self._watches)
+    def connect(self, poke: Callable[[], None]) -> _Watching:
+        return _Watching(self._client(), poke, self._grace_s)
 
-    # ------------------------------------------------------------- channel hooks
-    def _subscribe(self, key: str) -> bool:
-        return self._watch(key)
 
-    def _subscribed(self, key: str) -> bool:
-        # The first waiter's watch may still await its confirmation: wait for it too.
-        return self._watch(key)
+class _Watching:
+    """One Listen stream (a :class:`~django_syncguard.waiting.channels.Connection`):
+    the worker adds and removes targets, a pump thread reads the responses."""
 
-    def _watch(self, key: str) -> bool:
-        """Watch ``key``'s lock document; True once the server confirmed the watch."""
-        with self._wlock:
-            if self._closed:
-                return False
-            watch = self._watches.get(key)
-            if watch is None:
-                if len(self._watches) >= MAX_WATCHES:
-                    self._evict_idle(keep=0)
-                if len(self._watches) >= MAX_WATCHES:
-                    logger.info("%s watches %d keys: this waiter polls.", self.name, MAX_WATCHES)
-                    return False
-                watch = _Watch(self._next_target, document_name(self._document(key)))
-                self._next_target += 1
-                self._watches[key] = watch
-                self._keys[watch.name] = key
-                if self._stream is not None:
-                    self._stream.add(watch)
-            if self._thread is None:  # the first watch, or after a failure to start
-                _open.add(self)
-                self._thread = threading.Thread(
-                    target=self._run, name=f"syncguard-{self.name}", daemon=True
-                )
-                self._thread.start()
-            watch.idle_since = None
-            if self._broken:
-                return False  # reconnecting: poll; the watch joins the next stream
-            self._changed.wait_for(
-                lambda: watch.confirmed or self._broken or self._closed, self._timeout_s
-            )
-            return watch.confirmed and not self._closed
+    def __init__(self, client: Any, poke: Callable[[], None], grace_s: float) -> None:
+        self.stream = _Stream(client)
+        self.poke = poke
+        self.grace_s = grace_s
+        self.lock = threading.Lock()  # the stream's state, shared with the pump
+        self.targets: dict[str, int] = {}  # document name -> target id
+        self.names: dict[int, str] = {}  # target id -> document name
+        self.next_target = 1
+        self.confirmed: set[str] = set()
+        self.events: list[Event] = []
+        self.finished = False
+        self.error: BaseException | None = None
+        self.pump = threading.Thread(target=self._pump, name="syncguard-listen", daemon=True)
+        self.pump.start()
 
-    def _unsubscribe(self, key: str) -> None:
-        # Lazily: a key waited for again soon keeps its confirmed watch.
-        with self._wlock:
-            watch = self._watches.get(key)
-            if watch is None or self._closed:
-                return
-            watch.idle_since = time.monotonic()
-            self._evict_idle(keep=MAX_IDLE_WATCHES)
-            if self._sweeper is None:
-                self._schedule_sweep(IDLE_UNWATCH_S)
+    def fileno(self) -> None:
+        return None  # the pump pokes the worker
 
-    def _evict_idle(self, keep: int) -> None:
-        """Unwatch the longest idle keys beyond ``keep``. Caller holds ``_wlock``."""
-        idle = sorted(
-            (w.idle_since, key) for key, w in self._watches.items() if w.idle_since is not None
-        )
-        for _, key in idle[: max(len(idle) - keep, 0)]:
-            self._drop(key)
+    def subscribe(self, channels: Sequence[str]) -> Iterable[str]:
+        with self.lock:
+            for name in channels:
+                target_id, self.next_target = self.next_target, self.next_target + 1
+                self.targets[name], self.names[target_id] = target_id, name
+                self.stream.add(target_id, name)
+        return ()  # confirmed by a consistent snapshot
 
-    def _schedule_sweep(self, delay_s: float) -> None:
-        self._sweeper = threading.Timer(delay_s, self._sweep)
-        self._sweeper.daemon = True
-        self._sweeper.start()
+    def unsubscribe(self, channels: Sequence[str]) -> None:
+        with self.lock:
+            for name in channels:
+                target_id = self.targets.pop(name, None)
+                if target_id is not None:
+                    self.names.pop(target_id, None)
+                    self.confirmed.discard(name)
+                    self.stream.remove(target_id, name)
 
-    def _sweep(self) -> None:
-        with self._wlock:
-            self._sweeper = None
-            if self._closed:
-                return
-            now = time.monotonic()
-            for key, watch in list(self._watches.items()):
-                if watch.idle_since is not None and now - watch.idle_since >= IDLE_UNWATCH_S:
-                    self._drop(key)
-            idle = [w.idle_since for w in self._watches.values() if w.idle_since is not None]
-            if idle:
-                self._schedule_sweep(max(min(idle) + IDLE_UNWATCH_S - now, 0.1))
+    def receive(self) -> list[Event]:
+        with self.lock:
+            events, self.events = self.events, []
+            if self.finished:
+                raise self.error or ConnectionError("the Listen stream ended")
+        return events
 
-    def _drop(self, key: str) -> None:
-        """Remove ``key``'s watch unless a waiter came back. Caller holds ``_wlock``."""
-        with self._mutex:
-            waited = bool(self._listeners.get(key))
-        watch = self._watches[key]
-        if waited:  # a listener registered after the last one left
-            watch.idle_since = None
-            return
-        del self._watches[key]
-        self._keys.pop(watch.name, None)
-        if self._stream is not None:
-            self._stream.remove(watch)
-            if not self._watches:  # nothing left to watch: the thread ends with its stream
-                self._stream.end(self._grace_s)
-                self._stream = None
+    def check(self) -> float:
+        return float("inf")  # a broken stream ends the call: the pump reports it
 
-    # ------------------------------------------------------------------- stream
-    def _run(self) -> None:
-        """The reader thread: one stream after another while keys are watched."""
-        delay = RECONNECT_MIN_S
-        me = threading.current_thread()
-        while True:
-            with self._wlock:
-                if self._closed or not self._watches or self._thread is not me:
-                    if self._thread is me:
-                        self._thread = None
-                    return
-                try:
-                    stream = _Stream(self._client())
-                except Exception as exc:  # no client (bad settings): waiters poll
-                    logger.warning("%s: no Firestore client for wake-ups (%r).", self.name, exc)
-                    self._thread = None
-                    self._broken = True
-                    self._changed.notify_all()
-                    return
-                for watch in self._watches.values():
-                    stream.add(watch)
-                self._stream = stream
-            error = self._consume(stream)
-            with self._wlock:
-                if self._stream is stream:
-                    self._stream = None
-                for watch in self._watches.values():
-                    watch.confirmed = False
-                self._connected = False
-                lost = not stream.ended and not self._closed
-                self._broken = lost
-                self._changed.notify_all()
-            if not lost:
-                continue
-            logger.warning(
-                "Wake-ups of %s lost their Firestore stream (%r); waiters poll until it is back.",
-                self.name,
-                error,
-            )
-            self.connection_lost()
-            if stream.established:
-                delay = RECONNECT_MIN_S
-            if self._stop.wait(delay):
-                continue  # closed: the loop ends
-            delay = min(delay * 2, RECONNECT_MAX_S)
+    def close(self) -> None:
+        """End the call politely and wait for it to end (it is cancelled after the
+        grace period): a channel closed under a call that still watches a document
+        fails other clients' commits on the emulator."""
+        with self.lock:
+            self.stream.end(self.grace_s)
+        if self.pump is not threading.current_thread():
+            self.pump.join(self.grace_s + 1)
 
-    def _consume(self, stream: _Stream) -> BaseException | None:
-        """Run one Listen call until it ends; the error that ended it, if any."""
+    def _pump(self) -> None:
+        """Run the Listen call until it ends, then report how."""
+        client = self.stream.client
         try:
             # The transport's bare stub: the client's wrapped method would put the
             # operation timeout on a stream that must stay open.
-            listen = listen_stub(stream.client)
-            call = listen(stream.outgoing(), metadata=rpc_metadata(stream.client))
+            call = listen_stub(client)(self.stream.outgoing(), metadata=rpc_metadata(client))
         except Exception as exc:
-            stream.half_close()
-            return exc
-        with self._wlock:
-            stream.call = call  # ended meanwhile: the call half-closes after its requests
+            self.stream.half_close()
+            self._finish(exc)
+            return
+        with self.lock:
+            self.stream.call = call  # ended meanwhile: it half-closes after its requests
         error: BaseException | None = None
         try:
             for response in call:
                 try:
-                    self._on_response(stream, response)
+                    self._on_response(response)
                 except Exception as exc:  # _Resync, a document we cannot read
-                    # Our view may be stale: end this stream (politely) and start another.
+                    # Our view may be stale: end this stream (politely); the worker
+                    # starts another.
                     error = error or exc
-                    with self._wlock:
-                        stream.end(self._grace_s, on_purpose=False)
+                    with self.lock:
+                        self.stream.end(self.grace_s, on_purpose=False)
         except Exception as exc:  # grpc.RpcError: the call failed, or was given up on
             error = error or exc
-        stream.half_close()  # lets gRPC's request thread return
-        return error
+        self.stream.half_close()  # lets gRPC's request thread return
+        self._finish(error)
 
-    def _on_response(self, stream: _Stream, response: Any) -> None:
+    def _finish(self, error: BaseException | None) -> None:
+        with self.lock:
+            self.finished, self.error = True, error
+        self.poke()
+
+    def _on_response(self, response: Any) -> None:
         from google.cloud.firestore_v1.types import TargetChange
 
+        stream = self.stream
         kinds = TargetChange.TargetChangeType
         pb = type(response).pb(response)
         which = pb.WhichOneof("response_type")
@@ -393,19 +277,18 @@ class FirestoreWakeUps(WakeUps):
             # snapshot, as of that time.
             if change.target_change_type == kinds.NO_CHANGE:
                 if not change.target_ids and change.HasField("read_time"):
-                    self._settle(stream, _ms(change.read_time))
+                    self._settle(_ms(change.read_time))
                 return
             if change.target_change_type == kinds.REMOVE and change.cause.code:
                 raise _Resync(f"target removed by the server: {change.cause.message}")
-            with self._wlock:
+            with self.lock:
                 if change.target_change_type == kinds.REMOVE:  # one we asked for
                     stream.removed(change.target_ids)
                 elif change.target_change_type == kinds.CURRENT:
                     stream.current.update(change.target_ids)
                 elif change.target_change_type == kinds.RESET:  # its state comes again
-                    for watch in self._watches.values():
-                        if watch.target_id in change.target_ids:
-                            stream.pending.pop(watch.name, None)
+                    for target_id in change.target_ids:
+                        stream.pending.pop(self.names.get(target_id, ""), None)
             return
         state: dict[str, Any] | None = None
         if which == "document_change":
@@ -418,63 +301,57 @@ class FirestoreWakeUps(WakeUps):
             name = getattr(pb, which).document
         elif which == "filter":
             # How many documents the server holds for a target: ours hold 0 or 1.
-            with self._wlock:
-                target = pb.filter.target_id
-                names = [w.name for w in self._watches.values() if w.target_id == target]
-                if names and pb.filter.count != int(stream.exists.get(names[0], False)):
+            with self.lock:
+                watched = self.names.get(pb.filter.target_id)
+                if watched and pb.filter.count != int(stream.exists.get(watched, False)):
                     raise _Resync("existence filter mismatch")
             return
         else:
             return
-        with self._wlock:
+        with self.lock:
             stream.pending[name] = state
             stream.exists[name] = state is not None
 
-    def _settle(self, stream: _Stream, now_ms: int) -> None:
+    def _settle(self, now_ms: int) -> None:
         """A consistent snapshot at ``now_ms``: wake the first live waiter of every
         changed document that shows its key free, and confirm new watches."""
-        deliveries: list[tuple[str, str]] = []
-        with self._wlock:
+        with self.lock:
+            stream = self.stream
             pending, stream.pending = stream.pending, {}
             for name, data in pending.items():
-                key = self._keys.get(name)
-                head = first_waiter(data, now_ms) if key is not None else None
-                if key is not None and head is not None:
-                    deliveries.append((key, head))
-            if stream is self._stream and not stream.closing:
+                head = first_waiter(data, now_ms) if name in self.targets else None
+                if head is not None:
+                    self.events.append(Message(name, head))
+            if not stream.closing:
                 stream.established = True
-                self._connected = True
-                self._broken = False
-                for watch in self._watches.values():
-                    watch.confirmed = watch.confirmed or watch.target_id in stream.current
-                self._changed.notify_all()
-        for key, head in deliveries:
-            self.deliver(key, head)
+                for name, target_id in self.targets.items():
+                    if target_id in stream.current and name not in self.confirmed:
+                        self.confirmed.add(name)
+                        self.events.append(Confirmed(name))
+        self.poke()
 
-    # ---------------------------------------------------------------- lifecycle
-    def close(self) -> None:
-        """End the stream and its thread; waiters still registered poll from now on."""
-        with self._wlock:
-            if self._closed:
-                return
-            self._closed = True
-            self._connected = False
-            stream, thread, sweeper = self._stream, self._thread, self._sweeper
-            self._stream = self._sweeper = None
-            self._watches.clear()
-            self._keys.clear()
-            if stream is not None:
-                stream.end(self._grace_s)
-            self._changed.notify_all()
-        self._stop.set()
-        if sweeper is not None:
-            sweeper.cancel()
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(self._grace_s + 1)
-        _open.discard(self)
-        self.connection_lost()
 
-    def _reset_after_fork(self) -> None:
-        # The parent's stream and threads do not exist here (and its locks may have
-        # been held at the fork): start from nothing, without touching its call.
-        self._init_state()
+class FirestoreWakeUps(ChannelWorker):
+    """Wake-ups through a Listen stream on the lock documents of waited-for keys.
+
+    ``client`` returns the backend's (sync) Firestore client, ``document`` the lock
+    document reference of a key; ``timeout_s`` bounds how long :meth:`listen` waits for
+    the server to confirm a new watch.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        client: Callable[[], Any],
+        document: Callable[[str], Any],
+        timeout_s: float,
+    ) -> None:
+        transport = FirestoreTransport(client, document, min(timeout_s, END_GRACE_S))
+        super().__init__(name, transport, timeout_s=timeout_s)
+        _open.add(self)
+
+    def watched(self) -> list[str]:
+        """The keys on the stream now (waited for, or idle and not yet unwatched)."""
+        with self._cond:
+            return list(self._channels.values())
