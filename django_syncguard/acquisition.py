@@ -4,7 +4,8 @@
 them as keyword arguments (``**options: Unpack[LockOptions]``) and hands them to
 :meth:`LockSpec.from_options`, which validates them (before any I/O) into a frozen
 :class:`LockSpec`. :meth:`LockSpec.hold` / :meth:`LockSpec.ahold` then resolve the
-backend, acquire with the retry loop of :mod:`~django_syncguard.retry`, yield the
+backend, acquire in the waiting loop (:func:`acquire_with_retry`, the end of this
+module) on the retry schedule of :mod:`~django_syncguard.retry`, yield the
 :class:`~django_syncguard.leases.Lease` and always release it.
 """
 
@@ -12,14 +13,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field, fields
 from functools import partial
-from typing import Any, Literal, TypedDict
+from typing import Any, Literal, Protocol, TypedDict
 
 from . import signals
-from .cancellation import CancelToken, validate_cancel
+from .cancellation import CancelToken, asleep, sleep, validate_cancel
 from .constants import DEFAULT_TTL_MS
 from .contract import LockBackend, QueueingBackend, queues_of
 from .errors import AcquisitionTimeout, InvalidArgument
@@ -27,12 +29,12 @@ from .handler import resolve_backend
 from .keys import hash_key, normalize_and_validate_key
 from .leases import Lease, pop_current, push_current
 from .results import AcquireResult
-from .retry import Backoff, Jitter, RetryPolicy
+from .retry import Backoff, Jitter, RetryPolicy, RetrySchedule
+from .retry import rng as default_rng
 from .signals import Outgoing
 from .transactions import open_transactions, release_after
 from .ttl import validate_ttl
 from .waiting import WaitSession, WaitTicket
-from .waiting.loop import aacquire_with_retry, acquire_with_retry
 
 OnContended = Literal["wait", "skip", "raise"]
 
@@ -330,3 +332,95 @@ class _Attempts:
         return lease._signal(
             signals.lock_acquired, expires_at_ms=lease.expires_at_ms, attempts=self.made
         )
+
+
+# ------------------------------------------------------------------ the waiting loop
+# RetrySchedule says when the next counted attempt is due and when to give up; the loop
+# makes the attempts. Without a wait session it sleeps the backoff delay between
+# attempts (OPTIONS["WAKE_UPS"] = False, or a backend without queues). With one it
+# pauses on the waiter's listener, which may end the pause early (a release woke it, a
+# check-in, a poll): such an attempt is extra and uses up no retry, and the pause goes
+# on until the same due time. The attempt at the due time is always sent and always
+# counts, so max_retries, the delays and timeout_ms bound the wait exactly as the
+# formulas say, whether or not wake-ups are on (specs/decisions.md, 36).
+
+
+class Pauses(Protocol):
+    """What the loop asks of a wait session (:class:`~.session.WaitSession`)."""
+
+    def pause(
+        self, delay_s: float, remaining_s: float, cancel: CancelToken | None, position: int | None
+    ) -> None: ...
+
+
+class APauses(Protocol):
+    """What the async loop asks of a wait session."""
+
+    async def apause(
+        self, delay_s: float, remaining_s: float, cancel: CancelToken | None, position: int | None
+    ) -> None: ...
+
+
+def acquire_with_retry(
+    acquire: Callable[[], AcquireResult],
+    policy: RetryPolicy,
+    *,
+    key: str,
+    cancel: CancelToken | None = None,
+    clock: Callable[[], float] = time.monotonic,
+    sleeper: Callable[[float, CancelToken | None], None] = sleep,
+    rng: Callable[[], float] = default_rng,
+    session: Pauses | None = None,
+) -> AcquireResult:
+    """Call ``acquire`` until it succeeds; ``AcquisitionTimeout`` when the schedule
+    of ``policy`` gives up (see the module docstring)."""
+    schedule = RetrySchedule(policy, clock, rng, key)
+    schedule.start()
+    result = acquire()
+    while not result.ok:
+        delay = schedule.next_delay_s()
+        if session is None:
+            sleeper(delay, cancel)
+            result = acquire()
+            continue
+        due = clock() + delay
+        while True:
+            left = max(due - clock(), 0.0)
+            session.pause(left, schedule.remaining_s(), cancel, result.queue_position)
+            result = acquire()
+            if result.ok or clock() >= due:
+                break  # taken, or the schedule's attempt (counted by next_delay_s)
+            schedule.check_time()
+    return result
+
+
+async def aacquire_with_retry(
+    acquire: Callable[[], Awaitable[AcquireResult]],
+    policy: RetryPolicy,
+    *,
+    key: str,
+    cancel: CancelToken | None = None,
+    clock: Callable[[], float] = time.monotonic,
+    sleeper: Callable[[float, CancelToken | None], Awaitable[None]] = asleep,
+    rng: Callable[[], float] = default_rng,
+    session: APauses | None = None,
+) -> AcquireResult:
+    """Async twin of :func:`acquire_with_retry`."""
+    schedule = RetrySchedule(policy, clock, rng, key)
+    schedule.start()
+    result = await acquire()
+    while not result.ok:
+        delay = schedule.next_delay_s()
+        if session is None:
+            await sleeper(delay, cancel)
+            result = await acquire()
+            continue
+        due = clock() + delay
+        while True:
+            left = max(due - clock(), 0.0)
+            await session.apause(left, schedule.remaining_s(), cancel, result.queue_position)
+            result = await acquire()
+            if result.ok or clock() >= due:
+                break
+            schedule.check_time()
+    return result

@@ -10,20 +10,51 @@ import hashlib
 import re
 import secrets
 import unicodedata
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from .constants import MAX_KEY_LENGTH_BYTES
 from .errors import InvalidArgument
 
 _LOCK_ID_RE = re.compile(r"[A-Za-z0-9_-]{22}")
 
+T = TypeVar("T")
 
-def normalize_and_validate_key(key: Any) -> str:
+
+class Key(str):
+    """A key :func:`normalize_and_validate_key` accepted, carrying what backends derive
+    from it (storage key, fence key, wake-up channel), so that one operation derives
+    each once: the acquisition code validates the key once and hands this object
+    down, and backends derive through :func:`derived`. It is a ``str`` everywhere
+    else, and pickles and copies as a plain one."""
+
+    def __reduce__(self) -> tuple[type[str], tuple[str]]:
+        return (str, (str(self),))
+
+
+def derived(key: str, owner: object, name: str, compute: Callable[[], T]) -> T:
+    """``compute()``, remembered on ``key`` for ``owner`` (whose settings it depends
+    on) when ``key`` is a :class:`Key`; a plain ``str`` remembers nothing."""
+    if type(key) is not Key:
+        return compute()
+    slot = (owner, name)
+    memo: dict[Any, Any] = key.__dict__
+    try:
+        return memo[slot]  # type: ignore[no-any-return]
+    except KeyError:
+        value = memo[slot] = compute()
+        return value
+
+
+def normalize_and_validate_key(key: Any) -> Key:
     """Return ``key`` in NFC form, or raise ``InvalidArgument``.
 
     A key must be a non-empty ``str`` of at most ``MAX_KEY_LENGTH_BYTES`` UTF-8
-    bytes after normalisation, and encodable as UTF-8 (no lone surrogates).
+    bytes after normalisation, and encodable as UTF-8 (no lone surrogates). A
+    :class:`Key` is returned as it is: it was checked when it was made.
     """
+    if type(key) is Key:
+        return key
     if not isinstance(key, str):
         raise InvalidArgument(f"Key must be a str, not {type(key).__name__}.")
     if not key:
@@ -38,7 +69,7 @@ def normalize_and_validate_key(key: Any) -> str:
             f"Key is {size} bytes after NFC normalisation; the limit is "
             f"{MAX_KEY_LENGTH_BYTES} bytes."
         )
-    return normalized
+    return Key(normalized)
 
 
 def validate_lock_id(lock_id: Any) -> str:
@@ -112,7 +143,12 @@ def make_fence_key(prefix: str, key: str, limit_bytes: int, reserve_bytes: int) 
     every distinct user key owns exactly one counter.
     """
     base = make_storage_key(prefix, key, limit_bytes, reserve_bytes)
-    return make_storage_key(prefix, f"fence:{base}", limit_bytes, reserve_bytes)
+    return fence_key_of(prefix, base, limit_bytes, reserve_bytes)
+
+
+def fence_key_of(prefix: str, storage_key: str, limit_bytes: int, reserve_bytes: int) -> str:
+    """:func:`make_fence_key` from the key's storage key, when the caller has it."""
+    return make_storage_key(prefix, f"fence:{storage_key}", limit_bytes, reserve_bytes)
 
 
 def _b64url(data: bytes) -> str:

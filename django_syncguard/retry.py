@@ -1,7 +1,7 @@
 """The retry schedule of ``lock()`` / ``locked()``: the specification's formulas.
 
 Backends try once (specs/contract.md, Operations); the waiting loop
-(:mod:`~django_syncguard.waiting.loop`) retries on contention at the delays this
+(:func:`~django_syncguard.acquisition.acquire_with_retry`) retries on contention at the delays this
 module computes, and gives up when it says so. With ``attempt`` the 1-based number
 of failed attempts::
 

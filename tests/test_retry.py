@@ -7,10 +7,10 @@ import random
 import pytest
 
 from django_syncguard import AcquireResult, AcquisitionTimeout, InvalidArgument
+from django_syncguard.acquisition import aacquire_with_retry, acquire_with_retry
 from django_syncguard.keys import hash_key
 from django_syncguard.retry import RetryPolicy
 from django_syncguard.waiting import WaitSession
-from django_syncguard.waiting.loop import aacquire_with_retry, acquire_with_retry
 
 LOCKED = AcquireResult.locked()
 OK = AcquireResult(ok=True, lock_id="A" * 22, expires_at_ms=1, fence="000000000000001")

@@ -12,8 +12,8 @@ the first one when the key is released. The modules:
 * :mod:`.channels`: :class:`~.channels.ChannelWorker`, the registry over a server
   channel (one thread and one connection per process and backend), which each
   transport (Redis pub/sub, PostgreSQL ``LISTEN``, Firestore Listen) plugs into;
-* :mod:`.session`: one waiting acquisition (ticket, listener, pauses);
-* :mod:`.loop`: the loop that makes the attempts on the retry schedule.
+* :mod:`.session`: one waiting acquisition (ticket, listener, pauses), which the
+  acquisition loop (:func:`django_syncguard.acquisition.acquire_with_retry`) pauses on.
 
 See ``specs/contract.md`` (Waiting) and each backend's spec for its queue and channel.
 """

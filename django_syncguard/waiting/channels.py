@@ -222,7 +222,8 @@ class ChannelWorker(WakeUps):
             return frozenset(self._confirmed)
 
     def ready(self, key: str) -> bool:
-        self._after_fork()
+        if not self._confirmed:
+            return False  # nothing subscribed: no need to name the channel
         channel = self.transport.channel(key)
         with self._cond:
             return self._state is State.CONNECTED and channel in self._confirmed

@@ -154,7 +154,6 @@ class WakeUps:
         """Whether a listener on ``key`` would be confirmed at once, without I/O (a
         channel already subscribed for a hot key). Registries whose subscriptions
         need the server override it; in-process ones are always ready."""
-        self._after_fork()
         return type(self)._subscribe is WakeUps._subscribe
 
     async def alisten(self, key: str, ticket_id: str) -> Listener:

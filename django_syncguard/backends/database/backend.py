@@ -15,7 +15,7 @@ from ...cancellation import CancelToken, check_cancel
 from ...constants import BACKEND_LIMITS, RESERVE_BYTES, TIME_TOLERANCE_MS
 from ...errors import InvalidArgument
 from ...fencing import fence_overflow_error, format_fence
-from ...keys import generate_lock_id, make_fence_key, make_storage_key
+from ...keys import derived, fence_key_of, generate_lock_id, make_storage_key
 from ...results import (
     AcquireResult,
     ExtendResult,
@@ -169,15 +169,15 @@ class DatabaseBackend(BatchedCleanup, BaseLockBackend):
         return self.ops.storable(key)
 
     @staticmethod
+    def storage_keys(key: str) -> StorageKeys:
+        """(lock storage key, fence key, user key if it differs from the storage key),
+        the same for every database backend."""
+        return derived(key, DatabaseBackend, "storage keys", partial(_storage_keys, key))
+
+    @staticmethod
     def storage_key(key: str) -> str:
         """The primary key of ``key``'s lock row."""
-        return make_storage_key("", key, LIMIT_BYTES, RESERVE)
-
-    def storage_keys(self, key: str) -> StorageKeys:
-        """(lock storage key, fence key, user key if it differs from the storage key)."""
-        storage_key = self.storage_key(key)
-        fence_key = make_fence_key("", key, LIMIT_BYTES, RESERVE)
-        return StorageKeys(storage_key, fence_key, key if storage_key != key else None)
+        return DatabaseBackend.storage_keys(key).storage_key
 
     def now_ms(self) -> int:
         """The backend's time authority, now (server time on PostgreSQL)."""
@@ -261,3 +261,9 @@ def _record(row: Row) -> LockRecord:
         acquired_at_ms=int(acquired),
         fence=fence,
     )
+
+
+def _storage_keys(key: str) -> StorageKeys:
+    storage_key = make_storage_key("", key, LIMIT_BYTES, RESERVE)
+    fence_key = fence_key_of("", storage_key, LIMIT_BYTES, RESERVE)
+    return StorageKeys(storage_key, fence_key, key if storage_key != key else None)

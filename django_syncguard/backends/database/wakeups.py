@@ -41,6 +41,7 @@ from typing import Any
 
 from django.db.backends.base.base import BaseDatabaseWrapper
 
+from ...keys import derived
 from ...waiting import WakeUps
 from ...waiting.channels import ChannelWorker, Deaf, Event, Message
 from .connections import close_quietly
@@ -144,7 +145,9 @@ class PostgresTransport:
         self._probed = False
 
     def channel(self, key: str) -> str:
-        return channel_name(self._storage_key(key))
+        return derived(
+            key, PostgresTransport, "channel", lambda: channel_name(self._storage_key(key))
+        )
 
     def connect(self, poke: Callable[[], None]) -> _Listening:
         wrapper = self._connect()

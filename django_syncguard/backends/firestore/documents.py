@@ -22,10 +22,11 @@ from __future__ import annotations
 import datetime as dt
 import re
 from collections.abc import Mapping
+from functools import partial
 from typing import Any
 
 from ...constants import BACKEND_LIMITS, CLEANUP_GUARD_MS, RESERVE_BYTES, TIME_TOLERANCE_MS
-from ...keys import hash_storage_key, make_storage_key
+from ...keys import derived, hash_storage_key, make_storage_key
 from ...liveness import is_live
 from ...waiting import Queue, queue_head
 from .client import _firestore
@@ -59,6 +60,10 @@ def document_id(key: str) -> str:
     """The lock document id of ``key``: its storage key, or the hashed form when that is
     not a valid Firestore id (``a/b`` would be a path, ``.``, ``..`` and ``__x__`` are
     refused by Firestore): every valid key gets a document."""
+    return derived(key, document_id, "document id", partial(_document_id, key))
+
+
+def _document_id(key: str) -> str:
     storage_key = make_storage_key("", key, LIMIT_BYTES, RESERVE)
     if "/" in storage_key or storage_key in (".", "..") or _RESERVED_ID.fullmatch(storage_key):
         return hash_storage_key("", key)

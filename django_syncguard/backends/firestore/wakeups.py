@@ -29,6 +29,7 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
+from ...keys import derived
 from ...waiting.channels import ChannelWorker, Confirmed, Event, Message
 from .client import database_string, decode_fields, document_name, listen_stub, rpc_metadata
 from .documents import first_waiter
@@ -166,7 +167,7 @@ class FirestoreTransport:
         return MAX_IDLE_WATCHES
 
     def channel(self, key: str) -> str:
-        return document_name(self._document(key))
+        return derived(key, self, "channel", lambda: document_name(self._document(key)))
 
     def connect(self, poke: Callable[[], None]) -> _Watching:
         return _Watching(self._client(), poke, self._grace_s)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator, Mapping
+from functools import partial
 from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 from django.core import checks
@@ -47,7 +48,7 @@ from ...constants import (
 )
 from ...errors import InvalidArgument, LockError
 from ...fencing import FENCE_MAX, fence_overflow_error, format_fence
-from ...keys import generate_lock_id, make_storage_key
+from ...keys import derived, generate_lock_id, make_storage_key
 from ...results import AcquireResult, ExtendResult, LockPage, LockRecord, ReleaseResult
 from ...waiting import WaitTicket, WakeUps
 from ..base import BaseLockBackend
@@ -118,7 +119,7 @@ class RedisBackend(BaseLockBackend):
     # ------------------------------------------------------------------ keys
     def lock_key(self, key: str) -> str:
         """The hash holding ``key``'s lock fields and fence counter."""
-        return make_storage_key(self.prefix, key, LIMIT_BYTES, RESERVE)
+        return derived(key, self.prefix, "redis lock key", partial(_lock_key, self.prefix, key))
 
     def index_key(self, lock_id: str) -> str:
         return f"{self.prefix}#id:{lock_id}"
@@ -364,3 +365,7 @@ class RedisBackend(BaseLockBackend):
         if not int(info.get("aof_enabled", 0)):
             return [checks.Warning(W010.format(alias=self.alias), id="syncguard.W010")]
         return []
+
+
+def _lock_key(prefix: str, key: str) -> str:
+    return make_storage_key(prefix, key, LIMIT_BYTES, RESERVE)
