@@ -11,7 +11,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import psycopg
 import pytest
 from django.core import checks
 from django.core.exceptions import ImproperlyConfigured
@@ -33,6 +32,7 @@ from django_syncguard.backends.database.errors import map_database_error
 from django_syncguard.backends.database.sqlite import BLOCKED_BY_CALLER
 from django_syncguard.errors import AuthFailed, RateLimited
 from tests.support.harness import PostgresHarness, SqliteHarness
+from tests.support.servers import import_extra
 from tests.testapp.models import Account
 
 DB = "django_syncguard.backends.database.DatabaseBackend"
@@ -239,6 +239,7 @@ def test_silent_server_times_out_at_the_connect_timeout(django_db_blocker, monke
     ],
 )
 def test_postgres_errors_map_by_sqlstate(sqlstate, expected):
+    psycopg = import_extra("psycopg", "postgres")
     driver_error = psycopg.errors.lookup(sqlstate)("server said no")
     error = map_database_error(driver_error, "postgres")
     assert type(error) is expected
@@ -246,6 +247,7 @@ def test_postgres_errors_map_by_sqlstate(sqlstate, expected):
 
 
 def test_missing_tables_say_how_to_fix_them():
+    psycopg = import_extra("psycopg", "postgres")
     error = map_database_error(
         sqlite3.OperationalError("no such table: syncguard_locks"), "default"
     )
@@ -488,6 +490,7 @@ def _trace_batches(trace_text: str) -> list[tuple[str, list[str], str]]:
 
 
 def _traced(pgconn: Any, path: Any, work: Callable[[], None]) -> list[tuple[str, list[str], str]]:
+    psycopg = import_extra("psycopg", "postgres")
     with path.open("w") as out:
         pgconn.trace(out.fileno())
         pgconn.set_trace_flags(psycopg.pq.Trace.SUPPRESS_TIMESTAMPS)
