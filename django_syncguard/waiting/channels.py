@@ -454,7 +454,7 @@ class ChannelWorker(WakeUps):
         with self._cond:
             next_expiry = self._expire_idle(time.monotonic())
             wanted = set(self._channels)
-            if not wanted and not self._sent:
+            if not wanted:  # closing the connection unsubscribes whatever is left
                 self._state = State.IDLE
                 self._thread = None
                 self._cond.notify_all()
