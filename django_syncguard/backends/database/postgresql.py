@@ -35,7 +35,7 @@ from .operations import (
     row_count,
 )
 from .sql import LOCK_CLASS, NOW_MS
-from .wakeups import DatabaseWakeUps, PostgresWakeUps, delivers_notifications
+from .wakeups import DatabaseWakeUps, PostgresTransport, PostgresWakeUps, delivers_notifications
 
 NOW = f"SELECT {NOW_MS}"
 
@@ -177,13 +177,10 @@ class PostgresOperations(DatabaseOperations):
         self.run(lambda c: fetch_value(c, WITHDRAW, params))  # NOTIFYs the next waiter
 
     def make_wake_ups(self, name: str, hooks: WakeUpHooks) -> DatabaseWakeUps:
-        return PostgresWakeUps(
-            name,
-            connect=hooks.listen,
-            probe=partial(_probe, hooks),
-            storage_key=hooks.storage_key,
-            reply_timeout_s=hooks.reply_timeout_s,
+        transport = PostgresTransport(
+            name, connect=hooks.listen, probe=partial(_probe, hooks), storage_key=hooks.storage_key
         )
+        return PostgresWakeUps(transport, reply_timeout_s=hooks.reply_timeout_s)
 
     def deploy_check(self, alias: str, hooks: WakeUpHooks) -> list[Any]:
         """``syncguard.W012`` when a connection that LISTENs does not receive a

@@ -219,17 +219,8 @@ class PostgresWakeUps(ChannelWorker, DatabaseWakeUps):
 
     transport: PostgresTransport
 
-    def __init__(
-        self,
-        name: str,
-        *,
-        connect: Callable[[], BaseDatabaseWrapper],
-        probe: Callable[[str, str], None],
-        storage_key: Callable[[str], str],
-        reply_timeout_s: float,
-    ) -> None:
-        transport = PostgresTransport(name, connect=connect, probe=probe, storage_key=storage_key)
-        super().__init__(name, transport, timeout_s=reply_timeout_s)
+    def __init__(self, transport: PostgresTransport, *, reply_timeout_s: float) -> None:
+        super().__init__(transport.name, transport, timeout_s=reply_timeout_s)
 
     @property
     def backend_pid(self) -> int | None:
