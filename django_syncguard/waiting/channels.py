@@ -6,7 +6,8 @@ is the one implementation of what they share; a :class:`Transport` supplies only
 to connect, subscribe, unsubscribe and read.
 
 * **One thread and one connection per backend and process**, started by the first
-  waiter and ended when nothing is left to listen to (or by :meth:`close`). The
+  waiter and ended when nothing has been left to listen to for
+  :data:`IDLE_CHANNEL_S` (or by :meth:`close`). The
   thread is the only code that touches the connection: waiters say which channels
   they need under a condition variable and poke the thread through a socket pair; it
   sleeps in a selector on the connection's socket (or, for a transport without one,
@@ -372,7 +373,7 @@ class ChannelWorker(WakeUps):
                 connection = self._connection = self.transport.connect(self.poke)
                 opened = time.monotonic()
                 if self._serve(connection):
-                    return  # nothing left to listen to, or closed
+                    return  # nothing listened to for a while, or closed
             except Deaf:
                 self._deaf()
                 return
@@ -426,6 +427,7 @@ class ChannelWorker(WakeUps):
             self._dirty = False
             self._resubscribing = set(batch)
         self._sent = set(batch)  # this thread's: a thread that ended touches it no more
+        self._unused_since: float | None = None  # since when nothing is wanted
         self._confirm(connection.subscribe(batch) if batch else ())
         with self._cond:
             if self._state is State.CLOSED:
@@ -449,16 +451,25 @@ class ChannelWorker(WakeUps):
         return True
 
     def _reconcile(self, connection: Connection) -> float | None:
-        """Send what the waiters need; seconds until an idle channel is due, or None
-        when nothing is left to listen to (the thread ends)."""
+        """Send what the waiters need; seconds until an idle channel (or the idle
+        connection) is due, or None when nothing has been listened to for
+        :data:`IDLE_CHANNEL_S` (the thread ends, and closes the connection)."""
         with self._cond:
-            next_expiry = self._expire_idle(time.monotonic())
+            now = time.monotonic()
+            next_expiry = self._expire_idle(now)
             wanted = set(self._channels)
-            if not wanted:  # closing the connection unsubscribes whatever is left
-                self._state = State.IDLE
-                self._thread = None
-                self._cond.notify_all()
-                return None
+            if wanted:
+                self._unused_since = None
+            else:
+                # Kept a while like an idle channel: a waiter soon after needs no
+                # new connection.
+                self._unused_since = self._unused_since or now
+                next_expiry = self._unused_since + IDLE_CHANNEL_S - now
+                if next_expiry <= 0:
+                    self._state = State.IDLE
+                    self._thread = None
+                    self._cond.notify_all()
+                    return None
             added = [c for c in self._channels if c not in self._sent] if self._dirty else []
             self._dirty = False
         dropped = sorted(self._sent - wanted)
