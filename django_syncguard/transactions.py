@@ -29,7 +29,8 @@ nothing else holds the dropped list, and only at once under reference counting. 
 :data:`WATCH_PERIOD_S` whether each pending hook is still in its connection's
 ``run_on_commit``: once it is not, that transaction has ended (committed, rolled back
 or closed; a rolled-back savepoint keeps the entry) and the release runs, from the
-watcher's thread.
+watcher's thread, once it has been missing for :data:`WATCH_GRACE_S` (the hooks
+before ours may still be running).
 
 **Tests.** Django's ``TestCase`` (and pytest-django's ``django_db``) wraps each test
 in atomic blocks of its own that never commit. Those blocks are not the caller's
@@ -57,8 +58,10 @@ from .lifecycle import track
 
 logger = logging.getLogger("django_syncguard.transactions")
 
-#: How often the watcher looks for transactions that ended without running our hook.
-WATCH_PERIOD_S = 0.05
+#: How often the watcher looks for transactions that ended without running our hook,
+#: and how long a hook must have been missing from its connection before it acts.
+WATCH_PERIOD_S = 0.1
+WATCH_GRACE_S = 1.0
 
 
 def open_transactions() -> list[BaseDatabaseWrapper]:
@@ -146,8 +149,11 @@ class _TransactionEnd:
 
 class _Watcher:
     """Releases whose transaction ended without running their hook (see the module
-    docstring). One daemon thread per process, while any release is pending; it holds
-    the hooks weakly, so that the finalizer still fires as soon as one is freed."""
+    docstring). One daemon thread per process, while any release is pending. It holds
+    hooks and connections weakly (the finalizer still fires as soon as a hook is
+    freed), and acts on a hook only once it has been missing from its connection's
+    hooks for :data:`WATCH_GRACE_S`: Django empties the list before it runs the hooks
+    one by one, and ours must not overtake the ones before it."""
 
     def __init__(self) -> None:
         self._reset()
@@ -156,7 +162,7 @@ class _Watcher:
     def _reset(self) -> None:
         self._pid = os.getpid()
         self._mutex = threading.Lock()
-        self._pending: list[tuple[BaseDatabaseWrapper, weakref.ref[_TransactionEnd]]] = []
+        self._pending: list[_Watched] = []
         self._thread: threading.Thread | None = None
 
     def reset_after_fork(self) -> None:
@@ -167,7 +173,7 @@ class _Watcher:
         if self._pid != os.getpid():
             self.reset_after_fork()
         with self._mutex:
-            self._pending.append((connection, weakref.ref(end)))
+            self._pending.append(_Watched(weakref.ref(connection), weakref.ref(end)))
             if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._run, name="syncguard-transaction-watcher", daemon=True
@@ -179,20 +185,37 @@ class _Watcher:
             time.sleep(WATCH_PERIOD_S)
             with self._mutex:
                 pending = list(self._pending)
-            ended = [item for item in pending if self._ended(*item)]
+            done = {id(item) for item in pending if item.done(time.monotonic())}
             with self._mutex:
-                self._pending = [item for item in self._pending if item not in ended]
+                self._pending = [item for item in self._pending if id(item) not in done]
                 if not self._pending:
                     self._thread = None
                     return
 
-    @staticmethod
-    def _ended(connection: BaseDatabaseWrapper, ref: weakref.ref[_TransactionEnd]) -> bool:
-        """Whether the hook has run or been dropped; runs its release if it was dropped."""
-        end = ref()
+
+class _Watched:
+    """One pending release, as the watcher sees it."""
+
+    def __init__(
+        self,
+        connection: weakref.ref[BaseDatabaseWrapper],
+        end: weakref.ref[_TransactionEnd],
+    ) -> None:
+        self.connection = connection
+        self.end = end
+        self.missing_since: float | None = None
+
+    def done(self, now: float) -> bool:
+        """Whether the watcher is done with it; runs the release of a hook that has
+        been missing for the grace period."""
+        end, connection = self.end(), self.connection()
         if end is None:
             return True  # freed: its finalizer has run
-        if end.pending_in(connection):
+        if connection is not None and end.pending_in(connection):
+            self.missing_since = None
+            return False
+        self.missing_since = self.missing_since or now
+        if now - self.missing_since < WATCH_GRACE_S:
             return False
         try:
             end.committed()  # a no-op when the hook ran meanwhile

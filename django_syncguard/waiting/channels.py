@@ -185,8 +185,11 @@ class ChannelWorker(WakeUps):
         self._channels: dict[str, str] = {}  # channel -> key: to be subscribed
         self._idle: dict[str, float] = {}  # channel -> when its waiters left (oldest first)
         self._confirmed: set[str] = set()  # confirmed on the current connection
-        self._resubscribing: set[str] = set()  # the reconnect's batch, until confirmed
-        self._dirty = False  # a waiter asked for a channel the thread has not sent
+        # The connection's first batch, until confirmed (None: no connection yet).
+        self._resubscribing: set[str] | None = None
+        # Forgotten since the thread's last turn: unsubscribed then, and subscribed
+        # again if a waiter wanted them back meanwhile.
+        self._expired: set[str] = set()
         self._failures = 0  # broken or failed connections (waiters watch it)
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -266,12 +269,6 @@ class ChannelWorker(WakeUps):
     def _subscribed(self, key: str) -> bool:
         return self._subscribe(key)
 
-    def queued(self, key: str) -> None:
-        """A waiter of this process has just found ``key`` held: make sure its channel
-        is subscribed (a transport that does not confirm on listen subscribes here, so
-        that an attempt that finds the key free costs nothing)."""
-        self.want(key, wait=False)
-
     def want(self, key: str, *, wait: bool) -> bool:
         """Ask the thread to subscribe ``key``'s channel; with ``wait``, block (at
         most ``timeout_s``) until the server confirmed it. True when confirmed."""
@@ -281,14 +278,21 @@ class ChannelWorker(WakeUps):
             if self._state in (State.CLOSED, State.DEAF) or not self._admit(channel, key):
                 return False
             self._idle.pop(channel, None)
+            failures = self._failures
             if self._state is State.CONNECTED and channel in self._confirmed:
-                return True  # a hot key: nothing to send
-            self._dirty = True
-            self._start()
-            self.poke()
+                hot = True  # a hot key: nothing to send
+            else:
+                hot = False
+                self._start()
+        if hot:
+            # A listener that registered while the channel's confirmation crossed it
+            # is confirmed (and woken) now.
+            self._confirm_listeners([key])
+            return True
+        self.poke()
+        with self._cond:
             if not wait or self._state is State.DOWN:
                 return False  # confirmed later (the listener is woken), or polls
-            failures = self._failures
             while not (self._state is State.CONNECTED and channel in self._confirmed):
                 left = deadline - time.monotonic()
                 gone = self._state in (State.CLOSED, State.DEAF, State.DOWN)
@@ -306,7 +310,7 @@ class ChannelWorker(WakeUps):
         if limit is not None and len(self._channels) >= limit:
             self._expire_idle(time.monotonic(), keep=0)
             if len(self._channels) >= limit:
-                self.transport.logger.info(
+                self.transport.logger.debug(
                     "%s listens to %d channels: this waiter polls.", self.name, limit
                 )
                 return False
@@ -325,22 +329,39 @@ class ChannelWorker(WakeUps):
                     self._expire_idle(time.monotonic())
                     self.poke()
 
+    def queued(self, key: str) -> None:
+        """A waiter of this process has just found ``key`` held: make sure its channel
+        is subscribed (a transport that does not confirm on listen subscribes here, so
+        that an attempt that finds the key free costs nothing). A ticket queued by a
+        caller that registered no listener leaves the channel idle."""
+        self.want(key, wait=False)
+        if not self.waited_on(key):
+            self._unsubscribe(key)
+
     def _expire_idle(self, now: float, *, keep: int | None = None) -> float:
         """Forget idle channels past :data:`IDLE_CHANNEL_S` or beyond ``keep``
         (default: the transport's cap); seconds until the next one is due (caller
         holds ``_cond``). A channel whose key has a waiter again stays."""
         cap = self.transport.idle_cap if keep is None else keep
+        due = float("inf")
         while self._idle:
             channel, since = next(iter(self._idle.items()))
             if len(self._idle) <= cap and now - since < IDLE_CHANNEL_S:
-                return since + IDLE_CHANNEL_S - now
+                due = since + IDLE_CHANNEL_S - now
+                break
             del self._idle[channel]
             if self.waited_on(self._channels.get(channel)):
                 continue  # a waiter came back before its predecessor's unsubscribe
             del self._channels[channel]
-            # At once: a waiter arriving now must not believe it still subscribed.
+            # At once: a waiter arriving now must not believe it still subscribed. The
+            # thread unsubscribes it at its next turn (and subscribes it again if a
+            # waiter wants it back by then); a reconnect no longer waits for it.
             self._confirmed.discard(channel)
-        return float("inf")
+            if self._resubscribing is not None:
+                self._resubscribing.discard(channel)
+            self._expired.add(channel)
+        self._settle_state()
+        return due
 
     def reset_after_fork(self) -> None:
         # The parent's thread does not exist here; its connection is the parent's.
@@ -359,6 +380,7 @@ class ChannelWorker(WakeUps):
             return
         if self._state is State.IDLE:
             self._state = State.CONNECTING
+        self._resubscribing = None  # connected only once this thread's batch is confirmed
         self._thread = threading.Thread(
             target=self._run, name=f"syncguard wake-ups {self.name}", daemon=True
         )
@@ -399,6 +421,7 @@ class ChannelWorker(WakeUps):
         """Whether any channel is wanted; if not, the thread ends (a waiter that comes
         later starts another)."""
         with self._cond:
+            self._expire_idle(time.monotonic())  # also while no connection can be made
             if self._channels or self._state is State.CLOSED:
                 return True
             self._state = State.IDLE
@@ -424,16 +447,18 @@ class ChannelWorker(WakeUps):
                 self._idle[channel] = now - IDLE_CHANNEL_S
             self._expire_idle(now)
             batch = list(self._channels)
-            self._dirty = False
+            self._expired = set()
             self._resubscribing = set(batch)
+            if self._state is State.CLOSED:
+                return True
+            if self._state is not State.CONNECTED:
+                # Before any confirmation: a channel confirmed from here on is
+                # confirmed on this connection (ready(), want() see it).
+                self._state = State.CONNECTING
         self._sent = set(batch)  # this thread's: a thread that ended touches it no more
         self._unused_since: float | None = None  # since when nothing is wanted
         self._confirm(connection.subscribe(batch) if batch else ())
         with self._cond:
-            if self._state is State.CLOSED:
-                return True
-            if self._state is not State.CONNECTED:
-                self._state = State.CONNECTING
             self._settle_state()
         fd = connection.fileno()
         with selectors.DefaultSelector() as selector:
@@ -465,17 +490,21 @@ class ChannelWorker(WakeUps):
                 # new connection.
                 self._unused_since = self._unused_since or now
                 next_expiry = self._unused_since + IDLE_CHANNEL_S - now
-                if next_expiry <= 0:
-                    self._state = State.IDLE
+                if next_expiry <= 0 or self._state is State.CLOSED:
+                    if self._state is not State.CLOSED:
+                        self._state = State.IDLE
                     self._thread = None
                     self._cond.notify_all()
                     return None
-            added = [c for c in self._channels if c not in self._sent] if self._dirty else []
-            self._dirty = False
-        dropped = sorted(self._sent - wanted)
+            expired, self._expired = self._expired, set()
+            order = list(self._channels)
+        # Expired ones go even if wanted again meanwhile: their confirmation was
+        # forgotten, so they are subscribed (and confirmed) anew.
+        dropped = sorted((self._sent - wanted) | (self._sent & expired))
         if dropped:
             self._sent.difference_update(dropped)
             connection.unsubscribe(dropped)
+        added = [channel for channel in order if channel not in self._sent]
         if added:
             self._sent.update(added)
             self._confirm(connection.subscribe(added))
@@ -501,8 +530,13 @@ class ChannelWorker(WakeUps):
         with self._cond:
             keys = [self._channels[c] for c in channels if c in self._channels]
             self._confirmed.update(c for c in channels if c in self._channels)
-            self._resubscribing.difference_update(channels)
+            if self._resubscribing is not None:
+                self._resubscribing.difference_update(channels)
             self._settle_state()
+        self._confirm_listeners(keys)
+
+    def _confirm_listeners(self, keys: Iterable[str]) -> None:
+        """The listeners of ``keys`` not yet confirmed are, now, and woken once."""
         for key in keys:
             for listener in self.listeners_of(key):
                 if not listener.confirmed:
@@ -511,7 +545,7 @@ class ChannelWorker(WakeUps):
 
     def _settle_state(self) -> None:
         """Connected once the reconnect's batch is confirmed (caller holds ``_cond``)."""
-        if self._state is State.CONNECTING and not self._resubscribing:
+        if self._state is State.CONNECTING and self._resubscribing == set():
             self._state = State.CONNECTED
         self._cond.notify_all()
 
@@ -524,12 +558,6 @@ class ChannelWorker(WakeUps):
         """The connection broke, or could not be made: waiters poll until it is back."""
         with self._cond:
             was = self._state
-            heard = bool(self._confirmed)
-            if was is not State.CLOSED:
-                self._state = State.DOWN
-            self._confirmed.clear()
-            self._failures += 1
-            self._cond.notify_all()
         if was is State.CLOSED:
             return
         # The log first: it then precedes whatever the woken waiters do and log.
@@ -543,8 +571,20 @@ class ChannelWorker(WakeUps):
             )
         else:
             log.debug("Wake-ups of %s still cannot open a %s: %r", self.name, connection, exc)
-        if heard or was is State.CONNECTED:
-            self.connection_lost()
+        with self._cond:
+            was = self._state
+            if was is State.CLOSED:
+                return
+            heard = bool(self._confirmed) or was is State.CONNECTED
+            self._state = State.DOWN
+            self._confirmed.clear()
+            self._resubscribing = None
+            self._failures += 1
+            if heard:
+                # With the state: a listener registered from now on has the new
+                # generation, and is confirmed on the next connection.
+                self.connection_lost()
+            self._cond.notify_all()
 
     def _deaf(self) -> None:
         """Listeners were never healthy on this channel: nothing was lost."""

@@ -266,4 +266,5 @@ def _record(row: Row) -> LockRecord:
 def _storage_keys(key: str) -> StorageKeys:
     storage_key = make_storage_key("", key, LIMIT_BYTES, RESERVE)
     fence_key = fence_key_of("", storage_key, LIMIT_BYTES, RESERVE)
-    return StorageKeys(storage_key, fence_key, key if storage_key != key else None)
+    # A plain str: the Key must not hold itself through its own cache.
+    return StorageKeys(storage_key, fence_key, str(key) if storage_key != key else None)

@@ -196,12 +196,16 @@ class _Listening:
         _execute(self.raw, _statements("UNLISTEN", channels))
 
     def receive(self) -> list[Event]:
-        events: list[Event] = [
-            Message(notify.channel, notify.payload)
-            for notify in self.raw.notifies(timeout=0)
-            if notify.payload
-        ]
-        if self.raw.closed or self.raw.broken:
+        events: list[Event] = []
+        try:
+            for notify in self.raw.notifies(timeout=0):
+                if notify.payload:
+                    events.append(Message(notify.channel, notify.payload))
+        except Exception:
+            if not events:
+                raise
+        # What arrived before a close is delivered first; the close, next time.
+        if not events and (self.raw.closed or self.raw.broken):
             raise ConnectionError("the listening connection is closed")
         return events
 

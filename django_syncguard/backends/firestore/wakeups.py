@@ -29,7 +29,6 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
-from ...keys import derived
 from ...waiting.channels import ChannelWorker, Confirmed, Event, Message
 from .client import database_string, decode_fields, document_name, listen_stub, rpc_metadata
 from .documents import first_waiter
@@ -167,7 +166,8 @@ class FirestoreTransport:
         return MAX_IDLE_WATCHES
 
     def channel(self, key: str) -> str:
-        return derived(key, self, "channel", lambda: document_name(self._document(key)))
+        # Not cached on the key: that would keep this transport (and its client) alive.
+        return document_name(self._document(key))
 
     def connect(self, poke: Callable[[], None]) -> _Watching:
         return _Watching(self._client(), poke, self._grace_s)
@@ -215,7 +215,8 @@ class _Watching:
     def receive(self) -> list[Event]:
         with self.lock:
             events, self.events = self.events, []
-            if self.finished:
+            # What arrived before the end is delivered first; the end, next time.
+            if self.finished and not events:
                 raise self.error or ConnectionError("the Listen stream ended")
         return events
 

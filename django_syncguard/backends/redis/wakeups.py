@@ -88,6 +88,7 @@ class _Subscriber:
         self.inflight: dict[str, int] = {}  # channel -> replies still to come
         self.heard = time.monotonic()
         self.ping_deadline: float | None = None
+        self.failed: Exception | None = None
 
     def fileno(self) -> int:
         # redis-py has no public accessor for the socket; the selector needs it.
@@ -110,16 +111,23 @@ class _Subscriber:
             self.sent.difference_update(channels)
 
     def receive(self) -> list[Event]:
+        if self.failed is not None:
+            raise self.failed
         events: list[Event] = []
-        while self.connection.can_read(0):
-            try:
-                reply = self.connection.read_response()
-            except redis_response_error() as exc:
-                raise Refused(str(exc)) from exc
-            self.heard, self.ping_deadline = time.monotonic(), None
-            event = self._event(reply)
-            if event is not None:
-                events.append(event)
+        try:
+            while self.connection.can_read(0):
+                try:
+                    reply = self.connection.read_response()
+                except redis_response_error() as exc:
+                    raise Refused(str(exc)) from exc
+                self.heard, self.ping_deadline = time.monotonic(), None
+                event = self._event(reply)
+                if event is not None:
+                    events.append(event)
+        except Exception as exc:
+            if not events:
+                raise
+            self.failed = exc  # what arrived before it is delivered first
         return events
 
     def _event(self, reply: Any) -> Event | None:
