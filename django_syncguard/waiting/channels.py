@@ -343,7 +343,7 @@ class ChannelWorker(WakeUps):
         (default: the transport's cap); seconds until the next one is due (caller
         holds ``_cond``). A channel whose key has a waiter again stays."""
         cap = self.transport.idle_cap if keep is None else keep
-        due = float("inf")
+        due, forgot = float("inf"), False
         while self._idle:
             channel, since = next(iter(self._idle.items()))
             if len(self._idle) <= cap and now - since < IDLE_CHANNEL_S:
@@ -360,7 +360,9 @@ class ChannelWorker(WakeUps):
             if self._resubscribing is not None:
                 self._resubscribing.discard(channel)
             self._expired.add(channel)
-        self._settle_state()
+            forgot = True
+        if forgot:
+            self._settle_state()
         return due
 
     def reset_after_fork(self) -> None:
@@ -466,10 +468,11 @@ class ChannelWorker(WakeUps):
             if fd is not None:
                 selector.register(fd, selectors.EVENT_READ)
             while not self._stop.is_set() and self._mine():
+                # Deliver first: a wake-up is what a waiter is waiting for.
+                self._handle(connection.receive())
                 next_expiry = self._reconcile(connection)
                 if next_expiry is None:
                     return True
-                self._handle(connection.receive())
                 timeout = min(next_expiry, connection.check(), MAX_SELECT_S)
                 selector.select(max(timeout, 0.0))
                 self._drain_pokes()

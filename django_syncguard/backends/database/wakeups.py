@@ -167,14 +167,9 @@ class PostgresTransport:
     def _probe(self, raw: Any) -> None:
         """Raise :class:`Deaf` unless a notification sent through a normal connection
         of the backend reaches ``raw`` within :data:`PROBE_S`."""
-        channel = f"syncguard_probe_{secrets.token_hex(8)}"
-        payload = secrets.token_hex(8)
-        _execute(raw, f"LISTEN {_quoted(channel)}")
-        self._probe_notify(channel, payload)
-        if not _wait_for(raw, channel, payload, PROBE_S):
+        if not _hears(raw, self._probe_notify):
             logger.warning(DEAF_WARNING, self.name, PROBE_S)
             raise Deaf
-        _execute(raw, f"UNLISTEN {_quoted(channel)}")
 
 
 class _Listening:
@@ -253,17 +248,6 @@ def _can_wait_for_notifies(raw: Any) -> bool:
         return False
 
 
-def _wait_for(raw: Any, channel: str, payload: str, timeout_s: float) -> bool:
-    """Whether the notification arrives on ``raw`` within ``timeout_s`` (others that
-    arrive meanwhile are dropped: nothing else is LISTENed yet)."""
-    deadline = time.monotonic() + timeout_s
-    while (left := deadline - time.monotonic()) > 0:
-        for notify in raw.notifies(timeout=left, stop_after=1):
-            if notify.channel == channel and notify.payload == payload:
-                return True
-    return False
-
-
 def delivers_notifications(
     connect: Callable[[], BaseDatabaseWrapper], notify: Callable[[str, str], None]
 ) -> bool:
@@ -272,12 +256,26 @@ def delivers_notifications(
     wrapper = connect()
     try:
         raw = wrapper.connection
-        if not _can_wait_for_notifies(raw):
-            return False
-        channel = f"syncguard_probe_{secrets.token_hex(8)}"
-        payload = secrets.token_hex(8)
-        _execute(raw, f"LISTEN {_quoted(channel)}")
-        notify(channel, payload)
-        return _wait_for(raw, channel, payload, PROBE_S)
+        return _can_wait_for_notifies(raw) and _hears(raw, notify)
     finally:
         close_quietly(wrapper)
+
+
+def _hears(raw: Any, notify: Callable[[str, str], None]) -> bool:
+    """Whether ``raw`` receives, within :data:`PROBE_S`, a notification that ``notify``
+    sends on a private channel (others that arrive meanwhile are dropped: nothing else
+    is LISTENed yet)."""
+    channel = f"syncguard_probe_{secrets.token_hex(8)}"
+    payload = secrets.token_hex(8)
+    _execute(raw, f"LISTEN {_quoted(channel)}")
+    notify(channel, payload)
+    deadline = time.monotonic() + PROBE_S
+    heard = False
+    while not heard and (left := deadline - time.monotonic()) > 0:
+        # Outside the notifies() generator only may the connection run a statement:
+        # the generator holds the connection's lock.
+        got = list(raw.notifies(timeout=left, stop_after=1))
+        heard = any(n.channel == channel and n.payload == payload for n in got)
+    if heard:
+        _execute(raw, f"UNLISTEN {_quoted(channel)}")
+    return heard

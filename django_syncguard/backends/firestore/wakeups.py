@@ -47,88 +47,6 @@ class _Resync(Exception):
     """The stream's view may have missed a change: start a new stream."""
 
 
-class _Stream:
-    """One Listen call: the requests sent on it, and what it learnt since its last
-    consistent snapshot.
-
-    It is never simply cancelled. The emulator fails other clients' commits to a
-    watched document (``CANCELLED``, or ``UNKNOWN`` after a half-close, although the
-    commit was applied) when they race with the end of a call that still has the
-    document as a target. So a stream is closed politely: every target removed, the
-    server's acknowledgements awaited, then the request side half-closed and the
-    call left to end; only a call still open after a grace period is cancelled.
-    """
-
-    def __init__(self, client: Any) -> None:
-        self.client = client
-        self.database: str = database_string(client)
-        self.requests: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self.call: Any = None
-        self.targets: set[int] = set()  # added and not being removed
-        self.removing: set[int] = set()  # removal sent, not yet acknowledged
-        self.closing = False  # no further use: targets go, then the call
-        self.ended = False  # closed on purpose (no reconnection follows)
-        self.established = False  # a consistent snapshot arrived
-        self.current: set[int] = set()  # targets the server called CURRENT
-        self.pending: dict[str, dict[str, Any] | None] = {}  # name -> state (None: missing)
-        self.exists: dict[str, bool] = {}  # name -> whether the document exists
-
-    def add(self, target_id: int, name: str) -> None:
-        from google.cloud.firestore_v1.types import ListenRequest, Target
-
-        target = Target(documents=Target.DocumentsTarget(documents=[name]), target_id=target_id)
-        self.targets.add(target_id)
-        self.requests.put(ListenRequest(database=self.database, add_target=target))
-
-    def remove(self, target_id: int, name: str) -> None:
-        self.pending.pop(name, None)
-        self.exists.pop(name, None)
-        self._remove(target_id)
-
-    def _remove(self, target_id: int) -> None:
-        from google.cloud.firestore_v1.types import ListenRequest
-
-        self.targets.discard(target_id)
-        self.current.discard(target_id)
-        self.removing.add(target_id)
-        self.requests.put(ListenRequest(database=self.database, remove_target=target_id))
-
-    def removed(self, target_ids: Iterable[int]) -> None:
-        """The server acknowledged removals; a closing stream half-closes after the last."""
-        self.removing.difference_update(target_ids)
-        if self.closing and not self.removing:
-            self.half_close()
-
-    def outgoing(self) -> Iterator[Any]:
-        """The request iterator gRPC consumes; it ends at the ``None`` of a half-close."""
-        while (request := self.requests.get()) is not None:
-            yield request
-
-    def end(self, grace_s: float, *, on_purpose: bool = True) -> None:
-        """Close the call politely (see the class docstring); cancel it if it is still
-        open after ``grace_s``. Caller holds the connection's lock."""
-        self.ended = self.ended or on_purpose
-        if self.closing:
-            return
-        self.closing = True
-        for target_id in list(self.targets):
-            self._remove(target_id)
-        if not self.removing:
-            self.half_close()
-        timer = threading.Timer(grace_s, self.give_up)
-        timer.daemon = True
-        timer.start()
-
-    def half_close(self) -> None:
-        self.requests.put(None)  # ends the request iterator: gRPC half-closes the call
-
-    def give_up(self) -> None:
-        """Cancel the call (nothing happens to a call that has ended)."""
-        self.half_close()
-        if self.call is not None:
-            self.call.cancel()
-
-
 #: Wake-ups that opened a stream: closed politely when the interpreter exits, rather
 #: than cancelled by the channel's teardown.
 _open: weakref.WeakSet[FirestoreWakeUps] = weakref.WeakSet()
@@ -174,17 +92,34 @@ class FirestoreTransport:
 
 
 class _Watching:
-    """One Listen stream (a :class:`~django_syncguard.waiting.channels.Connection`):
-    the worker adds and removes targets, a pump thread reads the responses."""
+    """One Listen call (a :class:`~django_syncguard.waiting.channels.Connection`): the
+    worker adds and removes targets, a pump thread reads the responses, and what the
+    call learnt since its last consistent snapshot.
+
+    It is never simply cancelled. The emulator fails other clients' commits to a
+    watched document (``CANCELLED``, or ``UNKNOWN`` after a half-close, although the
+    commit was applied) when they race with the end of a call that still has the
+    document as a target. So a call is closed politely: every target removed, the
+    server's acknowledgements awaited, then the request side half-closed and the
+    call left to end; only a call still open after a grace period is cancelled.
+    """
 
     def __init__(self, client: Any, poke: Callable[[], None], grace_s: float) -> None:
-        self.stream = _Stream(client)
+        self.client = client
+        self.database: str = database_string(client)
         self.poke = poke
         self.grace_s = grace_s
-        self.lock = threading.Lock()  # the stream's state, shared with the pump
-        self.targets: dict[str, int] = {}  # document name -> target id
+        self.lock = threading.Lock()  # everything below, shared with the pump
+        self.requests: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.call: Any = None
+        self.targets: dict[str, int] = {}  # document name -> target id, while added
         self.names: dict[int, str] = {}  # target id -> document name
         self.next_target = 1
+        self.removing: set[int] = set()  # removal sent, not yet acknowledged
+        self.closing = False  # no further use: targets go, then the call
+        self.current: set[int] = set()  # targets the server called CURRENT
+        self.pending: dict[str, dict[str, Any] | None] = {}  # name -> state (None: missing)
+        self.exists: dict[str, bool] = {}  # name -> whether the document exists
         self.confirmed: set[str] = set()
         self.events: list[Event] = []
         self.finished = False
@@ -196,21 +131,35 @@ class _Watching:
         return None  # the pump pokes the worker
 
     def subscribe(self, channels: Sequence[str]) -> Iterable[str]:
+        from google.cloud.firestore_v1.types import ListenRequest, Target
+
         with self.lock:
             for name in channels:
                 target_id, self.next_target = self.next_target, self.next_target + 1
                 self.targets[name], self.names[target_id] = target_id, name
-                self.stream.add(target_id, name)
+                documents = Target.DocumentsTarget(documents=[name])
+                target = Target(documents=documents, target_id=target_id)
+                self.requests.put(ListenRequest(database=self.database, add_target=target))
         return ()  # confirmed by a consistent snapshot
 
     def unsubscribe(self, channels: Sequence[str]) -> None:
         with self.lock:
             for name in channels:
-                target_id = self.targets.pop(name, None)
-                if target_id is not None:
-                    self.names.pop(target_id, None)
-                    self.confirmed.discard(name)
-                    self.stream.remove(target_id, name)
+                if name in self.targets:
+                    self._remove(name)
+
+    def _remove(self, name: str) -> None:
+        """Send the removal of ``name``'s target (caller holds ``lock``)."""
+        from google.cloud.firestore_v1.types import ListenRequest
+
+        target_id = self.targets.pop(name)
+        self.names.pop(target_id, None)
+        self.confirmed.discard(name)
+        self.pending.pop(name, None)
+        self.exists.pop(name, None)
+        self.current.discard(target_id)
+        self.removing.add(target_id)
+        self.requests.put(ListenRequest(database=self.database, remove_target=target_id))
 
     def receive(self) -> list[Event]:
         with self.lock:
@@ -224,27 +173,61 @@ class _Watching:
         return float("inf")  # a broken stream ends the call: the pump reports it
 
     def close(self) -> None:
-        """End the call politely and wait for it to end (it is cancelled after the
-        grace period): a channel closed under a call that still watches a document
-        fails other clients' commits on the emulator."""
+        """End the call politely and wait for it to end: a channel closed under a call
+        that still watches a document fails other clients' commits on the emulator."""
         with self.lock:
-            self.stream.end(self.grace_s)
+            self._end()
         if self.pump is not threading.current_thread():
             self.pump.join(self.grace_s + 1)
 
+    def _end(self) -> None:
+        """Close the call politely (see the class docstring); cancel it if it is still
+        open after the grace period. Caller holds ``lock``."""
+        if self.closing:
+            return
+        self.closing = True
+        for name in list(self.targets):
+            self._remove(name)
+        if not self.removing:
+            self._half_close()
+        timer = threading.Timer(self.grace_s, self._give_up)
+        timer.daemon = True
+        timer.start()
+
+    def _half_close(self) -> None:
+        self.requests.put(None)  # ends the request iterator: gRPC half-closes the call
+
+    def _give_up(self) -> None:
+        """Cancel the call (nothing happens to a call that has ended)."""
+        self._half_close()
+        if self.call is not None:
+            self.call.cancel()
+
+    def _removed(self, target_ids: Iterable[int]) -> None:
+        """The server acknowledged removals; a closing call half-closes after the last
+        (caller holds ``lock``)."""
+        self.removing.difference_update(target_ids)
+        if self.closing and not self.removing:
+            self._half_close()
+
+    def _outgoing(self) -> Iterator[Any]:
+        """The request iterator gRPC consumes; it ends at the ``None`` of a half-close."""
+        while (request := self.requests.get()) is not None:
+            yield request
+
     def _pump(self) -> None:
         """Run the Listen call until it ends, then report how."""
-        client = self.stream.client
+        client = self.client
         try:
             # The transport's bare stub: the client's wrapped method would put the
             # operation timeout on a stream that must stay open.
-            call = listen_stub(client)(self.stream.outgoing(), metadata=rpc_metadata(client))
+            call = listen_stub(client)(self._outgoing(), metadata=rpc_metadata(client))
         except Exception as exc:
-            self.stream.half_close()
+            self._half_close()
             self._finish(exc)
             return
         with self.lock:
-            self.stream.call = call  # ended meanwhile: it half-closes after its requests
+            self.call = call  # ended meanwhile: it half-closes after its requests
         error: BaseException | None = None
         try:
             for response in call:
@@ -255,10 +238,10 @@ class _Watching:
                     # starts another.
                     error = error or exc
                     with self.lock:
-                        self.stream.end(self.grace_s, on_purpose=False)
+                        self._end()
         except Exception as exc:  # grpc.RpcError: the call failed, or was given up on
             error = error or exc
-        self.stream.half_close()  # lets gRPC's request thread return
+        self._half_close()  # lets gRPC's request thread return
         self._finish(error)
 
     def _finish(self, error: BaseException | None) -> None:
@@ -269,7 +252,6 @@ class _Watching:
     def _on_response(self, response: Any) -> None:
         from google.cloud.firestore_v1.types import TargetChange
 
-        stream = self.stream
         kinds = TargetChange.TargetChangeType
         pb = type(response).pb(response)
         which = pb.WhichOneof("response_type")
@@ -285,19 +267,19 @@ class _Watching:
                 raise _Resync(f"target removed by the server: {change.cause.message}")
             with self.lock:
                 if change.target_change_type == kinds.REMOVE:  # one we asked for
-                    stream.removed(change.target_ids)
+                    self._removed(change.target_ids)
                 elif change.target_change_type == kinds.CURRENT:
-                    stream.current.update(change.target_ids)
+                    self.current.update(change.target_ids)
                 elif change.target_change_type == kinds.RESET:  # its state comes again
                     for target_id in change.target_ids:
-                        stream.pending.pop(self.names.get(target_id, ""), None)
+                        self.pending.pop(self.names.get(target_id, ""), None)
             return
         state: dict[str, Any] | None = None
         if which == "document_change":
             document = response.document_change.document
             name = document.name
             if pb.document_change.target_ids:  # else it left our targets: missing for us
-                data = decode_fields(document.fields, stream.client)
+                data = decode_fields(document.fields, self.client)
                 state = data if isinstance(data, dict) else {}
         elif which in ("document_delete", "document_remove"):
             name = getattr(pb, which).document
@@ -305,29 +287,27 @@ class _Watching:
             # How many documents the server holds for a target: ours hold 0 or 1.
             with self.lock:
                 watched = self.names.get(pb.filter.target_id)
-                if watched and pb.filter.count != int(stream.exists.get(watched, False)):
+                if watched and pb.filter.count != int(self.exists.get(watched, False)):
                     raise _Resync("existence filter mismatch")
             return
         else:
             return
         with self.lock:
-            stream.pending[name] = state
-            stream.exists[name] = state is not None
+            self.pending[name] = state
+            self.exists[name] = state is not None
 
     def _settle(self, now_ms: int) -> None:
         """A consistent snapshot at ``now_ms``: wake the first live waiter of every
         changed document that shows its key free, and confirm new watches."""
         with self.lock:
-            stream = self.stream
-            pending, stream.pending = stream.pending, {}
+            pending, self.pending = self.pending, {}
             for name, data in pending.items():
                 head = first_waiter(data, now_ms) if name in self.targets else None
                 if head is not None:
                     self.events.append(Message(name, head))
-            if not stream.closing:
-                stream.established = True
+            if not self.closing:
                 for name, target_id in self.targets.items():
-                    if target_id in stream.current and name not in self.confirmed:
+                    if target_id in self.current and name not in self.confirmed:
                         self.confirmed.add(name)
                         self.events.append(Confirmed(name))
         self.poke()
