@@ -171,10 +171,10 @@ class LockSpec:
         def plain() -> AcquireResult:
             return counted(backend.acquire(key, self.ttl_ms, cancel=self.cancel))
 
-        queues = queues_of(backend) if self.on_contended == "wait" else None
+        if self.on_contended != "wait":
+            return self._checked_single(plain(), key)
+        queues = queues_of(backend)
         if queues is None:
-            if self.on_contended != "wait":
-                return self._checked_single(plain(), key)
             return acquire_with_retry(plain, self.policy, key=key, cancel=self.cancel)
         queueing, wake_ups = queues
 
@@ -207,10 +207,10 @@ class LockSpec:
         def plain() -> Awaitable[AcquireResult]:
             return counted(backend.aacquire(key, self.ttl_ms, cancel=self.cancel))
 
-        queues = queues_of(backend) if self.on_contended == "wait" else None
+        if self.on_contended != "wait":
+            return self._checked_single(await plain(), key)
+        queues = queues_of(backend)
         if queues is None:
-            if self.on_contended != "wait":
-                return self._checked_single(await plain(), key)
             return await aacquire_with_retry(plain, self.policy, key=key, cancel=self.cancel)
         queueing, wake_ups = queues
 
@@ -373,7 +373,7 @@ def acquire_with_retry(
     session: Pauses | None = None,
 ) -> AcquireResult:
     """Call ``acquire`` until it succeeds; ``AcquisitionTimeout`` when the schedule
-    of ``policy`` gives up (see the module docstring)."""
+    of ``policy`` gives up (see the comment above)."""
     schedule = RetrySchedule(policy, clock, rng, key)
     schedule.start()
     result = acquire()

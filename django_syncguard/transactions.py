@@ -160,7 +160,6 @@ class _Watcher:
         track(self)
 
     def _reset(self) -> None:
-        self._pid = os.getpid()
         self._mutex = threading.Lock()
         self._pending: list[_Watched] = []
         self._thread: threading.Thread | None = None
@@ -170,8 +169,6 @@ class _Watcher:
         self._reset()
 
     def watch(self, connection: BaseDatabaseWrapper, end: _TransactionEnd) -> None:
-        if self._pid != os.getpid():
-            self.reset_after_fork()
         with self._mutex:
             self._pending.append(_Watched(weakref.ref(connection), weakref.ref(end)))
             if self._thread is None:

@@ -396,8 +396,8 @@ class ChannelWorker(WakeUps):
             try:
                 connection = self._connection = self.transport.connect(self.poke)
                 opened = time.monotonic()
-                if self._serve(connection):
-                    return  # nothing listened to for a while, or closed
+                self._serve(connection)
+                return  # nothing listened to for a while, or closed
             except Deaf:
                 self._deaf()
                 return
@@ -426,10 +426,16 @@ class ChannelWorker(WakeUps):
             self._expire_idle(time.monotonic())  # also while no connection can be made
             if self._channels or self._state is State.CLOSED:
                 return True
-            self._state = State.IDLE
-            self._thread = None
-            self._cond.notify_all()
+            self._end_thread()
             return False
+
+    def _end_thread(self) -> None:
+        """This thread ends: a waiter that comes later starts another (caller holds
+        ``_cond``). A closed worker stays closed."""
+        if self._state is not State.CLOSED:
+            self._state = State.IDLE
+        self._thread = None
+        self._cond.notify_all()
 
     def _disconnect(self, connection: Connection | None) -> None:
         if self._connection is connection:
@@ -440,9 +446,9 @@ class ChannelWorker(WakeUps):
             except Exception as exc:
                 self.transport.logger.debug("Closing the wake-ups of %s: %r", self.name, exc)
 
-    def _serve(self, connection: Connection) -> bool:
+    def _serve(self, connection: Connection) -> None:
         """Subscribe again, then read and reconcile until there is nothing left to
-        listen to or the worker is closed (True); raises when the connection breaks."""
+        listen to or the worker is closed; raises when the connection breaks."""
         with self._cond:
             now = time.monotonic()
             for channel in list(self._idle):  # only channels with waiters come back
@@ -452,7 +458,7 @@ class ChannelWorker(WakeUps):
             self._expired = set()
             self._resubscribing = set(batch)
             if self._state is State.CLOSED:
-                return True
+                return
             if self._state is not State.CONNECTED:
                 # Before any confirmation: a channel confirmed from here on is
                 # confirmed on this connection (ready(), want() see it).
@@ -472,11 +478,10 @@ class ChannelWorker(WakeUps):
                 self._handle(connection.receive())
                 next_expiry = self._reconcile(connection)
                 if next_expiry is None:
-                    return True
+                    return
                 timeout = min(next_expiry, connection.check(), MAX_SELECT_S)
                 selector.select(max(timeout, 0.0))
                 self._drain_pokes()
-        return True
 
     def _reconcile(self, connection: Connection) -> float | None:
         """Send what the waiters need; seconds until an idle channel (or the idle
@@ -494,10 +499,7 @@ class ChannelWorker(WakeUps):
                 self._unused_since = self._unused_since or now
                 next_expiry = self._unused_since + IDLE_CHANNEL_S - now
                 if next_expiry <= 0 or self._state is State.CLOSED:
-                    if self._state is not State.CLOSED:
-                        self._state = State.IDLE
-                    self._thread = None
-                    self._cond.notify_all()
+                    self._end_thread()
                     return None
             expired, self._expired = self._expired, set()
             order = list(self._channels)

@@ -24,15 +24,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
 
 from ..cancellation import CancelToken
 from ..results import AcquireResult
 from . import tickets
 from .listeners import Listener, WakeUps
 from .tickets import WaitTicket
-
-T = TypeVar("T")
 
 #: The first waiter in line polls at least this often when no wake-up can reach it.
 HEAD_POLL_MS = 10
@@ -57,11 +54,13 @@ class WaitSession:
         if self.listener is None and self.wake_ups.ready(self.key):
             self.listener = self._listen()
         if self.listener is None:
-            result = self._sent(request)(None)
+            self._stamp()
+            result = request(None)
             if result.ok:
                 return result
             self.listener = self._listen()
-        return self._ticketed(self._sent(request)(self.ticket))
+        self._stamp()
+        return self._ticketed(request(self.ticket))
 
     async def aattempt(
         self, request: Callable[[WaitTicket | None], Awaitable[AcquireResult]]
@@ -71,22 +70,27 @@ class WaitSession:
             # Ready means no I/O: no need for a worker thread.
             self.listener = self._listen()
         if self.listener is None:
-            result = await self._sent(request)(None)
+            self._stamp()
+            result = await request(None)
             if result.ok:
                 return result
-            self.ticket = self.ticket or WaitTicket.new()
-            self.listener = await self.wake_ups.alisten(self.key, self.ticket.id)
-        return self._ticketed(await self._sent(request)(self.ticket))
+            self.listener = await self.wake_ups.alisten(self.key, self._draw().id)
+        self._stamp()
+        return self._ticketed(await request(self.ticket))
 
     def _listen(self) -> Listener:
-        self.ticket = self.ticket or WaitTicket.new()
-        return self.wake_ups.listen(self.key, self.ticket.id)
+        return self.wake_ups.listen(self.key, self._draw().id)
 
-    def _sent(self, request: T) -> T:
-        """``request``, noting that one is being sent: the check-in is timed from the
-        send, as the ticket's patience runs from when the server sees it."""
+    def _draw(self) -> WaitTicket:
+        """The session's ticket, drawn the first time it is needed."""
+        if self.ticket is None:
+            self.ticket = WaitTicket.new()
+        return self.ticket
+
+    def _stamp(self) -> None:
+        """A request is being sent: the check-in is timed from the send, as the
+        ticket's patience runs from when the server sees it."""
         self._last_request = self.clock()
-        return request
 
     def _ticketed(self, result: AcquireResult) -> AcquireResult:
         self.queued = self.queued or not result.ok
