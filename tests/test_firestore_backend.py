@@ -166,6 +166,97 @@ def test_release_of_own_lock_after_it_expired_says_expired(fh, monkeypatch):
     assert backend.acquire("lapsed", 60_000).fence == "000000000000002"
 
 
+class CancelledAnswers:
+    """The emulator's answer to a commit while a Listen call watching the document
+    goes away (a watcher's process killed): the write is applied, then the commit
+    fails with ``Cancelled``. The next ``count`` commits, sync and async, commit for
+    real (when ``applied``) and then raise it."""
+
+    def __init__(self, monkeypatch, count: int = 1, applied: bool = True) -> None:
+        from google.cloud.firestore_v1.async_batch import AsyncWriteBatch
+        from google.cloud.firestore_v1.batch import WriteBatch
+
+        self.left, self.applied = count, applied
+        commit, acommit = WriteBatch.commit, AsyncWriteBatch.commit
+
+        def answer():
+            self.left -= 1
+            return api.Cancelled("call already cancelled")
+
+        def cancelled(batch, *args, **kwargs):
+            if self.left <= 0:
+                return commit(batch, *args, **kwargs)
+            if self.applied:
+                commit(batch, *args, **kwargs)
+            raise answer()
+
+        async def acancelled(batch, *args, **kwargs):
+            if self.left <= 0:
+                return await acommit(batch, *args, **kwargs)
+            if self.applied:
+                await acommit(batch, *args, **kwargs)
+            raise answer()
+
+        monkeypatch.setattr(WriteBatch, "commit", cancelled)
+        monkeypatch.setattr(AsyncWriteBatch, "commit", acancelled)
+
+
+def test_an_acquire_applied_but_answered_cancelled_is_ours(fh, monkeypatch):
+    backend = fh.firestore
+    answers = CancelledAnswers(monkeypatch)
+
+    result = backend.acquire("lost-answer", 60_000)
+
+    assert answers.left == 0
+    stored = lock_docs(fh)["lost-answer"]
+    assert (result.ok, result.lock_id, result.fence) == (True, stored["lockId"], "000000000000001")
+    assert result.expires_at_ms == stored["expiresAtMs"]
+    assert backend.release(result.lock_id).ok is True  # by query: nothing remembered
+    assert backend.acquire("lost-answer", 60_000).fence == "000000000000002"
+
+
+def test_an_acquire_answered_cancelled_but_not_applied_is_sent_again(fh, monkeypatch):
+    backend = fh.firestore
+    answers = CancelledAnswers(monkeypatch, applied=False)
+
+    result = backend.acquire("not-applied", 60_000)
+
+    assert answers.left == 0
+    assert (result.ok, result.fence) == (True, "000000000000001")
+    assert lock_docs(fh)["not-applied"]["lockId"] == result.lock_id
+
+
+def test_a_release_applied_but_answered_cancelled_is_done(fh, monkeypatch):
+    backend = fh.firestore
+    remembered = backend.acquire("release-remembered", 60_000)
+    queried = backend.acquire("release-queried", 60_000)
+    assert elsewhere(fh).extend(queried.lock_id, 90_000).ok is True  # forces the query
+    CancelledAnswers(monkeypatch, count=2)
+
+    assert backend.release(remembered.lock_id) == ReleaseResult(ok=True)
+    assert backend.release(queried.lock_id) == ReleaseResult(ok=True)
+
+    assert lock_docs(fh) == {}
+
+
+async def test_async_commits_answered_cancelled_settle_the_same(fh, monkeypatch):
+    backend = fh.firestore
+    answers = CancelledAnswers(monkeypatch, count=3)
+
+    result = await backend.aacquire("async-lost", 60_000)
+    extended = await backend.aextend(result.lock_id, 90_000)
+    released = await backend.arelease(result.lock_id)
+
+    assert answers.left == 0
+    assert (result.ok, result.fence, extended.ok, released) == (
+        True,
+        "000000000000001",
+        True,
+        ReleaseResult(ok=True),
+    )
+    assert lock_docs(fh) == {}
+
+
 def test_a_rival_holder_is_never_released_by_a_remembered_lock(fh):
     backend = fh.firestore
     first = backend.acquire("rival", 1)

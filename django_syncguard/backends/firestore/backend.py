@@ -41,7 +41,7 @@ from ...liveness import is_live
 from ...results import AcquireResult, ExtendResult, LockPage, LockRecord, ReleaseResult
 from ...waiting import CHECK_IN_MS, WaitTicket, WakeUps, queue_admits, queue_head
 from ..base import BaseLockBackend, BatchedCleanup, mapping_option
-from .client import FirestoreClients, _firestore, guard_failed, mapped_error
+from .client import FirestoreClients, _firestore, guard_failed, mapped_error, outcome_unknown
 from .documents import (
     ACQUIRED_AT_MS,
     ARRIVALS,
@@ -220,25 +220,33 @@ class FirestoreBackend(BatchedCleanup, BaseLockBackend):
         else:
             batch.create(ref, data)  # fails if someone created it meanwhile
 
-    def _commit(self, batch: Any) -> bool:
+    def _commit(self, batch: Any) -> bool | None:
         """Commit a guarded batch. False when a guard failed: a document changed (or
-        appeared) since our read, and nothing was written."""
+        appeared) since our read, and nothing was written. None when the outcome is
+        unknown (``outcome_unknown``): the caller reads again, and every operation is
+        written so that a second pass over a write that did apply answers as the
+        first would have."""
         try:
             self._call(batch.commit)
         except LockError as exc:
-            if guard_failed(exc):
-                return False
-            raise
+            return self._failed_commit(exc)
         return True
 
-    async def _acommit(self, batch: Any) -> bool:
+    async def _acommit(self, batch: Any) -> bool | None:
         try:
             await self._acall(batch.commit())
         except LockError as exc:
-            if guard_failed(exc):
-                return False
-            raise
+            return self._failed_commit(exc)
         return True
+
+    @staticmethod
+    def _failed_commit(exc: LockError) -> bool | None:
+        if guard_failed(exc):
+            return False
+        if outcome_unknown(exc):
+            logger.info("A commit's outcome is unknown (%s); reading again.", exc.code)
+            return None
+        raise exc
 
     # --------------------------------------------------------------- acquire
     def _plan_acquire(
@@ -250,16 +258,24 @@ class FirestoreBackend(BatchedCleanup, BaseLockBackend):
         refs: tuple[Any, Any],
         cancel: CancelToken | None,
         ticket: WaitTicket | None,
+        lock_id: str,
     ) -> _Plan:
         """Decide from the read: ``locked`` (perhaps with the guarded write of the
         caller's place in the queue), overflow, or fill ``batch`` with the guarded
-        writes of a new lock. The plan's result is what the writes will make true."""
+        writes of a new lock under ``lock_id``. The plan's result is what the writes
+        will make true; a read that shows the lock already ours (an earlier pass's
+        commit applied, its answer lost) answers as that commit would have."""
         by_path = {snap.reference.path: snap for snap in snaps}
         lock_ref, fence_ref = refs
         current, counter = by_path[lock_ref.path], by_path[fence_ref.path]
         now = server_ms(current.read_time)  # Firestore's clock
         data = fields_of(current)
         free = not holds_lock(data, now)
+        if not free and data.get(LOCK_ID) == lock_id:
+            ours = AcquireResult(
+                ok=True, lock_id=lock_id, expires_at_ms=int(data[EXPIRES_AT_MS]), fence=data[FENCE]
+            )
+            return _Plan(ours)
         queue = queue_of(data)
         arrivals = int(data.get(ARRIVALS, 0))
         if queue or (ticket is not None and not free):
@@ -283,7 +299,6 @@ class FirestoreBackend(BatchedCleanup, BaseLockBackend):
         if fence > FENCE_MAX:
             raise fence_overflow_error(key)
         check_cancel(cancel, {"key": key})  # after reads, before writes
-        lock_id = generate_lock_id()
         expires = now + ttl_ms
         waiting_until = last_until(queue)
         lock = {
@@ -307,11 +322,11 @@ class FirestoreBackend(BatchedCleanup, BaseLockBackend):
     def _acquire(
         self, key: str, ttl_ms: int, cancel: CancelToken | None, ticket: WaitTicket | None = None
     ) -> AcquireResult:
-        refs = self._refs(key)
+        refs, lock_id = self._refs(key), generate_lock_id()
         for _ in range(CONFLICT_ATTEMPTS):
             snaps = self._call(lambda: list(self.client.get_all(list(refs))))
             batch = self.client.batch()
-            plan = self._plan_acquire(batch, key, ttl_ms, snaps, refs, cancel, ticket)
+            plan = self._plan_acquire(batch, key, ttl_ms, snaps, refs, cancel, ticket, lock_id)
             if not plan.write:
                 return plan.result
             if self._commit(batch):
@@ -322,11 +337,11 @@ class FirestoreBackend(BatchedCleanup, BaseLockBackend):
         self, key: str, ttl_ms: int, cancel: CancelToken | None, ticket: WaitTicket | None = None
     ) -> AcquireResult:
         client = self.aclient()
-        refs = self._refs(key, client)
+        refs, lock_id = self._refs(key, client), generate_lock_id()
         for _ in range(CONFLICT_ATTEMPTS):
             snaps = await self._acall(_collect(client.get_all(list(refs))))
             batch = client.batch()
-            plan = self._plan_acquire(batch, key, ttl_ms, snaps, refs, cancel, ticket)
+            plan = self._plan_acquire(batch, key, ttl_ms, snaps, refs, cancel, ticket, lock_id)
             if not plan.write:
                 return plan.result
             if await self._acommit(batch):
@@ -424,28 +439,51 @@ class FirestoreBackend(BatchedCleanup, BaseLockBackend):
         return ("ok", apply(batch, live[0], now)), True
 
     def _mutate(
-        self, lock_id: str, cancel: CancelToken | None, apply: Callable[[Any, Any, int], Any]
+        self,
+        lock_id: str,
+        cancel: CancelToken | None,
+        apply: Callable[[Any, Any, int], Any],
+        *,
+        release: bool = False,
+        unknown: bool = False,
     ) -> tuple[str, Any]:
         """Query, verify, guarded batch; start over when a guard fails (the lock was
-        renewed, released or replaced since the query), up to ``CONFLICT_ATTEMPTS``."""
+        renewed, released or replaced since the query), up to ``CONFLICT_ATTEMPTS``.
+        After a commit of unknown outcome (``unknown``: perhaps an earlier one), a
+        ``release`` that finds the lock id gone reports the release done: that commit
+        applied. An extend simply applies again."""
         for _ in range(CONFLICT_ATTEMPTS):
             found = self._call(lambda: list(self._by_lock_id(lock_id).stream()))
             batch = self.client.batch()
             outcome, commit = self._plan_mutation(batch, found, lock_id, cancel, apply)
-            if not commit or self._commit(batch):
+            if not commit:
+                return _settled(outcome, release and unknown)
+            committed = self._commit(batch)
+            if committed:
                 return outcome
+            unknown = unknown or committed is None
         raise self._kept_changing()
 
     async def _amutate(
-        self, lock_id: str, cancel: CancelToken | None, apply: Callable[[Any, Any, int], Any]
+        self,
+        lock_id: str,
+        cancel: CancelToken | None,
+        apply: Callable[[Any, Any, int], Any],
+        *,
+        release: bool = False,
+        unknown: bool = False,
     ) -> tuple[str, Any]:
         client = self.aclient()
         for _ in range(CONFLICT_ATTEMPTS):
             found = await self._acall(_collect(self._by_lock_id(lock_id, client).stream()))
             batch = client.batch()
             outcome, commit = self._plan_mutation(batch, found, lock_id, cancel, apply)
-            if not commit or await self._acommit(batch):
+            if not commit:
+                return _settled(outcome, release and unknown)
+            committed = await self._acommit(batch)
+            if committed:
                 return outcome
+            unknown = unknown or committed is None
         raise self._kept_changing()
 
     def _kept_changing(self) -> ServiceUnavailable:
@@ -526,15 +564,27 @@ class FirestoreBackend(BatchedCleanup, BaseLockBackend):
 
     def _release(self, lock_id: str, cancel: CancelToken | None) -> ReleaseResult:
         remembered = self._remembered_release(lock_id, self.client)
-        if remembered is not None and self._commit(remembered[0]):
-            return self._released_at(*remembered)
-        return self._released(self._mutate(lock_id, cancel, self._vacate))
+        committed: bool | None = False
+        if remembered is not None:
+            committed = self._commit(remembered[0])
+            if committed:
+                return self._released_at(*remembered)
+        unknown = committed is None
+        return self._released(
+            self._mutate(lock_id, cancel, self._vacate, release=True, unknown=unknown)
+        )
 
     async def _arelease(self, lock_id: str, cancel: CancelToken | None) -> ReleaseResult:
         remembered = self._remembered_release(lock_id, self.aclient())
-        if remembered is not None and await self._acommit(remembered[0]):
-            return self._released_at(*remembered)
-        return self._released(await self._amutate(lock_id, cancel, self._vacate))
+        committed: bool | None = False
+        if remembered is not None:
+            committed = await self._acommit(remembered[0])
+            if committed:
+                return self._released_at(*remembered)
+        unknown = committed is None
+        return self._released(
+            await self._amutate(lock_id, cancel, self._vacate, release=True, unknown=unknown)
+        )
 
     def _extend(self, lock_id: str, ttl_ms: int, cancel: CancelToken | None) -> ExtendResult:
         self._held.forget(lock_id)  # the document changes: later releases take the query
@@ -666,7 +716,7 @@ class FirestoreBackend(BatchedCleanup, BaseLockBackend):
         for snap in snaps:
             single = self.client.batch()
             self._delete(single, snap)
-            deleted += self._commit(single)
+            deleted += bool(self._commit(single))  # unknown: not counted
         return deleted
 
     def now_ms(self) -> int:
@@ -732,6 +782,14 @@ def _renewal_due(
         return True
     written_ago = ticket.patience_ms - (before[1] - now)
     return written_ago >= min(CHECK_IN_MS // 2, ticket.patience_ms // 2)
+
+
+def _settled(outcome: tuple[str, Any], released_unseen: bool) -> tuple[str, Any]:
+    """``outcome``, or "ok" for a release whose lock id is gone after a commit of
+    unknown outcome (``released_unseen``): that commit removed it."""
+    if released_unseen and outcome[0] == "not-found":
+        return ("ok", None)
+    return outcome
 
 
 def _unchanged_since(update_time: Any) -> dict[str, Any]:

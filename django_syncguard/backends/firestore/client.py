@@ -98,6 +98,16 @@ def guard_failed(error: LockError) -> bool:
     return isinstance(error.context.get("cause"), FailedPrecondition | AlreadyExists | Conflict)
 
 
+def outcome_unknown(error: LockError) -> bool:
+    """Whether a commit failed with ``Cancelled``: we never cancel a commit, but the
+    emulator answers so for a write it *applied* when a Listen call watching the
+    document went away meanwhile (a watcher's process killed, a channel closed). The
+    caller reads again to learn what happened."""
+    from google.api_core.exceptions import Cancelled
+
+    return isinstance(error.context.get("cause"), Cancelled)
+
+
 # ------------------------------------------------- the library's private parts
 def _transport(client: Any) -> Any:
     """The gRPC transport under ``client`` (its generated client's own)."""
