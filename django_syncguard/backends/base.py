@@ -31,6 +31,15 @@ from ..constants import (
 )
 from ..contract import SanitizedLookups
 from ..errors import Internal, InvalidArgument
+from ..fence_floors import (
+    FenceMode,
+    FenceState,
+    IdleCounter,
+    compact,
+    fence_mode_option,
+    validate_floor,
+    validate_idle_ms,
+)
 from ..fencing import check_fence
 from ..keys import normalize_and_validate_key, validate_lock_id
 from ..lifecycle import track
@@ -85,6 +94,11 @@ def _validated_count(value: object, name: str, maximum: int) -> int:
     return value
 
 
+def _lazily(make: Callable[[], Iterator[int]]) -> Iterator[int]:
+    """``make()``'s items, with ``make`` called at the first ``next()``: no I/O before."""
+    yield from make()
+
+
 def _once(count: Callable[[], int]) -> Iterator[int]:
     """An iterator whose only item is ``count()``, called when it is consumed."""
     yield count()
@@ -131,8 +145,11 @@ class BaseLockBackend(SanitizedLookups, ABC):
     supports_fencing: ClassVar[bool] = True
     #: Options every backend accepts; subclasses extend it.
     known_options: ClassVar[frozenset[str]] = frozenset(
-        {"CLEANUP_IN_IS_LOCKED", "CONNECT_TIMEOUT_MS", "OPERATION_TIMEOUT_MS", "WAKE_UPS"}
+        {"CLEANUP_IN_IS_LOCKED", "CONNECT_TIMEOUT_MS", "FENCES", "OPERATION_TIMEOUT_MS", "WAKE_UPS"}
     )
+    #: ``OPTIONS["FENCES"]`` when not set: "counter", the specification's counter,
+    #: where counters are as durable as the locks; "clock" where they can be lost.
+    default_fence_mode: ClassVar[FenceMode] = "counter"
     #: Whether keys share a namespace that ``KEY_PREFIX`` divides (Redis); elsewhere
     #: tables or collections keep applications apart and ``KEY_PREFIX`` is refused.
     uses_key_prefix: ClassVar[bool] = False
@@ -170,6 +187,8 @@ class BaseLockBackend(SanitizedLookups, ABC):
         self.operation_timeout_ms = option_ms(
             self.options, "OPERATION_TIMEOUT_MS", DEFAULT_OPERATION_TIMEOUT_MS
         )
+        #: How new fences are computed (:mod:`django_syncguard.fence_floors`).
+        self.fence_mode: FenceMode = fence_mode_option(self.options, self.default_fence_mode)
         track(self)  # a forked child resets this backend (reset_after_fork)
 
     def __repr__(self) -> str:
@@ -389,6 +408,66 @@ class BaseLockBackend(SanitizedLookups, ABC):
 
     async def aforce_release(self, key: str, lock_id_hash: str) -> ReleaseResult:
         return await self._in_thread(self.force_release, key, lock_id_hash)
+
+    # ------------------------------------------------------- fence continuity
+    def fence_state(self) -> FenceState:
+        """The alias's fence mode, floor and highest counter (reads every counter's
+        value on some backends: an operator's tool, not for a request path)."""
+        return FenceState(self.alias, self.fence_mode, self._fence_floor(), self._highest_fence())
+
+    def raise_fence_floor(self, fence: int) -> int:
+        """Raise the alias's fence floor to at least ``fence`` (never lowers it);
+        return the floor now in force. Every later fence of every key is above it."""
+        return self._raise_fence_floor(validate_floor(fence))
+
+    def compact_fences(
+        self, *, idle_ms: int, batch_size: int = 500, dry_run: bool = False
+    ) -> Iterator[int]:
+        """Delete the fence counters of keys with no live lock, no waiter and no
+        acquisition in the last ``idle_ms``, raising the floor first so that no key's
+        fence ever goes back (:mod:`django_syncguard.fence_floors`). Returns an
+        iterator of the number deleted by each batch (``dry_run``: one number, how
+        many would be, nothing written). Arguments are checked before any I/O.
+
+        A counter with no recorded acquisition time (kept by a version before this
+        one) is stamped with the current time by a run that is not a dry run, and so
+        compacted by a run ``idle_ms`` later.
+        """
+        idle_ms = validate_idle_ms(idle_ms)
+        batch_size = _validated_count(batch_size, "batch_size", MAX_BATCH_SIZE)
+        if not isinstance(dry_run, bool):
+            raise InvalidArgument("dry_run must be True or False.")
+        return _lazily(lambda: compact(self, self.now_ms() - idle_ms, batch_size, dry_run))
+
+    def now_ms(self) -> int:
+        """The time authority's clock, in Unix ms (the server's, on server backends)."""
+        raise NotImplementedError
+
+    def _fence_floor(self) -> int:
+        raise NotImplementedError(f"{type(self).__name__} keeps no fence floor.")
+
+    def _raise_fence_floor(self, fence: int) -> int:
+        """Set the floor to max(floor, ``fence``) atomically; return it."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no fence floor.")
+
+    def _highest_fence(self) -> int:
+        """The largest value of any fence counter (0 when there is none)."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no fence floor.")
+
+    def _idle_counters(
+        self, cutoff_ms: int, cursor: str | None, limit: int, *, stamp: bool
+    ) -> tuple[list[IdleCounter], str | None]:
+        """Up to ``limit`` counters after ``cursor`` (None: from the start) whose key
+        has no live lock and no waiter and was last acquired before ``cutoff_ms``;
+        and the cursor to go on from (None: the end). With ``stamp``, counters with
+        no recorded acquisition time among those looked at get the current one."""
+        raise NotImplementedError(f"{type(self).__name__} cannot compact fence counters.")
+
+    def _delete_idle_counters(self, counters: list[IdleCounter], cutoff_ms: int) -> int:
+        """Delete each of ``counters`` that is, atomically at its delete, still as
+        read and still idle (no live lock, no waiter, not acquired since
+        ``cutoff_ms``); return how many were deleted."""
+        raise NotImplementedError(f"{type(self).__name__} cannot compact fence counters.")
 
     def check(self, **kwargs: Any) -> list[Any]:
         """System-check messages about this alias's built backend (no I/O); the app's

@@ -22,6 +22,7 @@ from django.utils.module_loading import import_string
 from ..cancellation import CancelToken, check_cancel
 from ..constants import TIME_TOLERANCE_MS
 from ..errors import InvalidArgument
+from ..fence_floors import IdleCounter, next_fence
 from ..fencing import FENCE_MAX, fence_overflow_error, format_fence
 from ..keys import generate_lock_id
 from ..liveness import Clock, is_live, system_clock_ms
@@ -36,6 +37,8 @@ class _Store:
     locks: dict[str, LockRecord] = field(default_factory=dict)
     index: dict[str, str] = field(default_factory=dict)  # lock_id -> key
     fences: dict[str, int] = field(default_factory=dict)  # key -> last fence
+    acquired: dict[str, int] = field(default_factory=dict)  # key -> last acquisition ms
+    floor: int = 0  # the fence floor (fence_floors.py)
     queues: dict[str, Queue] = field(default_factory=dict)  # key -> its waiters
     arrivals: int = 0  # numbers queue entries in arrival order
     wake_ups: WakeUps = field(default_factory=lambda: WakeUps("memory"))
@@ -93,6 +96,8 @@ class MemoryBackend(BatchedCleanup, BaseLockBackend):
             self._store.locks.clear()
             self._store.index.clear()
             self._store.fences.clear()
+            self._store.acquired.clear()
+            self._store.floor = 0
             self._store.queues.clear()
 
     def _make_wake_ups(self) -> WakeUps:
@@ -111,7 +116,8 @@ class MemoryBackend(BatchedCleanup, BaseLockBackend):
             take, position = self._admit(key, now, free, ticket)
             if not take:
                 return AcquireResult.locked(position)
-            fence = store.fences.get(key, 0) + 1
+            clock = now if self.fence_mode == "clock" else None
+            fence = next_fence(store.fences.get(key, 0), store.floor, clock)
             if fence > FENCE_MAX:
                 raise fence_overflow_error(key)
             check_cancel(cancel, {"key": key})  # last point before the write
@@ -125,6 +131,7 @@ class MemoryBackend(BatchedCleanup, BaseLockBackend):
                 fence=format_fence(fence),
             )
             store.fences[key] = fence
+            store.acquired[key] = now
             store.locks[key] = record
             store.index[record.lock_id] = key
             return AcquireResult(
@@ -258,6 +265,62 @@ class MemoryBackend(BatchedCleanup, BaseLockBackend):
             for record in doomed:
                 self._drop(record)
             return len(doomed)
+
+    # ------------------------------------------------------ fence continuity
+    def now_ms(self) -> int:
+        return self.clock()
+
+    def _fence_floor(self) -> int:
+        return self._store.floor
+
+    def _raise_fence_floor(self, fence: int) -> int:
+        with self._store.mutex:
+            self._store.floor = max(self._store.floor, fence)
+            return self._store.floor
+
+    def _highest_fence(self) -> int:
+        with self._store.mutex:
+            return max(self._store.fences.values(), default=0)
+
+    def _idle(self, key: str, cutoff_ms: int, now: int) -> bool:
+        """No live lock, no waiter, last acquired before ``cutoff_ms``. Caller holds
+        the mutex."""
+        store = self._store
+        record = store.locks.get(key)
+        if record is not None and is_live(record.expires_at_ms, now, TIME_TOLERANCE_MS):
+            return False
+        return key not in store.queues and store.acquired.get(key, cutoff_ms) < cutoff_ms
+
+    def _idle_counters(
+        self, cutoff_ms: int, cursor: str | None, limit: int, *, stamp: bool
+    ) -> tuple[list[IdleCounter], str | None]:
+        store = self._store
+        with store.mutex:
+            now = self.clock()
+            keys = sorted(k for k in store.fences if cursor is None or k > cursor)
+            page = keys[:limit]
+            if stamp:  # counters of before acquisition times were kept (none here)
+                for key in page:
+                    store.acquired.setdefault(key, now)
+            idle = [
+                IdleCounter(key, store.fences[key])
+                for key in page
+                if self._idle(key, cutoff_ms, now)
+            ]
+        return idle, (page[-1] if len(keys) > limit else None)
+
+    def _delete_idle_counters(self, counters: list[IdleCounter], cutoff_ms: int) -> int:
+        store = self._store
+        deleted = 0
+        with store.mutex:
+            now = self.clock()
+            for counter in counters:
+                key = counter.name
+                if store.fences.get(key) == counter.fence and self._idle(key, cutoff_ms, now):
+                    del store.fences[key]
+                    store.acquired.pop(key, None)
+                    deleted += 1
+        return deleted
 
     def _lookup_by_key(self, key: str, cancel: CancelToken | None) -> LockRecord | None:
         with self._store.mutex:
