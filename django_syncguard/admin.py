@@ -81,7 +81,7 @@ class LockInspectorAdmin(_ModelAdmin):
         cursor = tokens.cursor(page_token, alias) if page_token else None
         show_keys = request.user.has_perm(VIEW_KEYS)
         rows: list[inspector.Row] = []
-        next_url = error = None
+        next_url = error = fences = None
         try:
             backend = locks[alias]
             page = backend.list_locks(prefix=prefix, cursor=cursor, limit=inspector.PAGE_SIZE)
@@ -89,6 +89,7 @@ class LockInspectorAdmin(_ModelAdmin):
             error = f"The {alias!r} backend could not be listed: {exc}"
             backend = None
         else:
+            fences = inspector.fences_of(backend) if backend is not None else None
             rows = inspector.rows_of(page, alias, tokens, show_keys=show_keys)
             if page.next_cursor is not None:
                 query = {
@@ -103,6 +104,7 @@ class LockInspectorAdmin(_ModelAdmin):
             "aliases": aliases,
             "alias": alias,
             "backend": backend,
+            "fences": fences,
             "prefix": prefix,
             "rows": [(row, inspector.format_remaining(row.remaining_ms)) for row in rows],
             "show_keys": show_keys,

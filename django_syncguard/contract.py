@@ -24,6 +24,7 @@ from .results import (
 )
 
 if TYPE_CHECKING:
+    from .fence_floors import FenceState
     from .waiting import WaitTicket, WakeUps
 
 
@@ -166,6 +167,40 @@ class QueueingBackend(LockBackend, Protocol):
     def withdraw(self, key: str, ticket_id: str) -> None: ...
 
     async def awithdraw(self, key: str, ticket_id: str) -> None: ...
+
+
+class FenceKeeper(LockBackend, Protocol):
+    """A backend that keeps a fence floor and can compact its counters
+    (:mod:`django_syncguard.fence_floors`): every bundled backend."""
+
+    def now_ms(self) -> int: ...
+
+    def fence_state(self) -> FenceState: ...
+
+    def fence_floor(self) -> int: ...
+
+    def raise_fence_floor(self, fence: int) -> int: ...
+
+    def compact_fences(
+        self, *, idle_ms: int, batch_size: int = 500, dry_run: bool = False
+    ) -> Iterator[int]: ...
+
+
+def fence_keeper(backend: LockBackend) -> FenceKeeper | None:
+    """``backend`` as a :class:`FenceKeeper`, or ``None`` for a backend without
+    fence floors (a third-party one written to :class:`LockBackend`)."""
+    if not all(callable(getattr(backend, name, None)) for name in _FENCE_KEEPING):
+        return None
+    return cast(FenceKeeper, backend)
+
+
+_FENCE_KEEPING: Final = (
+    "now_ms",
+    "fence_state",
+    "fence_floor",
+    "raise_fence_floor",
+    "compact_fences",
+)
 
 
 def queues_of(backend: LockBackend) -> tuple[QueueingBackend, WakeUps] | None:

@@ -19,7 +19,8 @@ from collections.abc import MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
-from .contract import LockBackend
+from .contract import LockBackend, fence_keeper
+from .errors import LockError
 from .keys import hash_key
 from .results import LockPage, ReleaseResult
 from .signals import lock_force_released, prepare, send
@@ -133,6 +134,21 @@ def force_release(backend: LockBackend, target: Target, *, user: Any, reason: st
             )
         )
     return result
+
+
+def fences_of(backend: LockBackend) -> str | None:
+    """How the alias hands out fences, for the page: "clock fences, floor 0"; the
+    floor's read failing is said, not raised (the locks are still worth seeing)."""
+    keeper = fence_keeper(backend)
+    if keeper is None:
+        return None
+    mode = getattr(keeper, "fence_mode", "counter")
+    try:
+        return f"{mode} fences, floor {keeper.fence_floor()}"
+    except LockError as exc:
+        return f"{mode} fences, floor unknown ({exc.code})"
+    except NotImplementedError:  # a third-party subclass without fence floors
+        return None
 
 
 def from_ms(ms: int) -> dt.datetime:

@@ -237,7 +237,25 @@ def test_every_alias_can_be_inspected(as_user):
     assert re.findall(r'<td class="key">([^<]+)</td>', memory_page) == ["in-memory"]
     assert re.findall(r'<td class="key">([^<]+)</td>', database_page) == ["in-database"]
     assert '<option value="db" selected>db</option>' in database_page
-    assert "sqlite backend, client time." in database_page
+    assert (
+        'sqlite backend, client time, <span class="fences">counter fences, floor 0</span>.'
+        in database_page
+    )
+
+
+def test_the_page_shows_the_aliases_fence_mode_and_floor(as_user):
+    backends = {
+        "clocked": {
+            "BACKEND": "django_syncguard.backends.memory.MemoryBackend",
+            "LOCATION": "fences-page",
+            "OPTIONS": {"FENCES": "clock"},
+        }
+    }
+    with override_settings(SYNCGUARD_BACKENDS=backends):
+        locks["clocked"].raise_fence_floor(1234)
+        page = as_user("view_lock").get(INSPECTOR).content.decode()
+        locks["clocked"].reset()
+    assert '<span class="fences">clock fences, floor 1234</span>' in page
 
 
 def test_an_unreachable_backend_is_reported_on_the_page(as_user):

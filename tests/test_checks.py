@@ -223,7 +223,7 @@ def test_e003_unknown_option(settings):
     assert message.msg == E003.format(
         alias="default",
         error="Unknown OPTIONS for MemoryBackend (alias 'default'): TABLE. "
-        "Known: CLEANUP_IN_IS_LOCKED, CLOCK, CONNECT_TIMEOUT_MS, OPERATION_TIMEOUT_MS, "
+        "Known: CLEANUP_IN_IS_LOCKED, CLOCK, CONNECT_TIMEOUT_MS, FENCES, OPERATION_TIMEOUT_MS, "
         "WAKE_UPS.",
     )
 

@@ -415,6 +415,10 @@ class BaseLockBackend(SanitizedLookups, ABC):
         value on some backends: an operator's tool, not for a request path)."""
         return FenceState(self.alias, self.fence_mode, self._fence_floor(), self._highest_fence())
 
+    def fence_floor(self) -> int:
+        """The alias's fence floor (0: never raised): one read."""
+        return self._fence_floor()
+
     def raise_fence_floor(self, fence: int) -> int:
         """Raise the alias's fence floor to at least ``fence`` (never lowers it);
         return the floor now in force. Every later fence of every key is above it."""

@@ -6,28 +6,14 @@ records expired longer ago than its cleanup guard (see ``delete_expired``).
 
 from __future__ import annotations
 
-from argparse import ArgumentTypeError
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from ...constants import CLEANUP_GUARD_MS, MAX_BATCH_SIZE
+from ...constants import CLEANUP_GUARD_MS
 from ...contract import LockBackend
 from ...errors import LockError
-from ...handler import InvalidBackendError, locks
-
-DEFAULT_BATCH_SIZE = 500
-
-
-def batch_size(value: str) -> int:
-    """argparse type: an int between 1 and MAX_BATCH_SIZE."""
-    try:
-        number = int(value)
-    except ValueError:
-        number = 0
-    if not 0 < number <= MAX_BATCH_SIZE:
-        raise ArgumentTypeError(f"must be an integer between 1 and {MAX_BATCH_SIZE}, not {value!r}")
-    return number
+from ..arguments import DEFAULT_BATCH_SIZE, backend_of, batch_size, known_aliases
 
 
 class Command(BaseCommand):
@@ -57,22 +43,11 @@ class Command(BaseCommand):
         )
 
     def handle(self, *args: Any, **options: Any) -> None:
-        configured = list(locks)
-        aliases: list[str] = options["aliases"] or configured
-        unknown = [alias for alias in aliases if alias not in configured]
-        if unknown:
-            raise CommandError(
-                f"Unknown lock backend alias {', '.join(map(repr, unknown))}; "
-                f"configured: {', '.join(configured)}."
-            )
-        for alias in dict.fromkeys(aliases):  # each alias once, in the order given
+        for alias in known_aliases(options["aliases"]):
             self.clean(alias, options["dry_run"], options["batch_size"], options["verbosity"])
 
     def clean(self, alias: str, dry_run: bool, size: int, verbosity: int) -> None:
-        try:
-            backend = locks[alias]
-        except (InvalidBackendError, LockError) as exc:
-            raise CommandError(f"{alias}: the backend cannot be used: {exc}") from exc
+        backend = backend_of(alias)
         if verbosity >= 2:
             self.stdout.write(describe(alias, backend, dry_run))
         progress = self.stdout.isatty() and verbosity >= 1 and not dry_run
