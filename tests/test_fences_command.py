@@ -80,7 +80,7 @@ def test_a_bad_floor_is_a_command_error(two, value):
 
 
 def test_migrate_starts_the_new_backend_above_the_old_ones_fences(two):
-    old, new = two
+    _, new = two
     assert fences("migrate", "--from", "old", "--to", "new") == (
         "new: fence floor is now 3; every fence old handed out is at most 3.\n"
     )
@@ -171,6 +171,9 @@ def test_a_server_that_is_gone_is_a_command_error():
         "LOCATION": f"redis://127.0.0.1:{free_port()}/0",
         "OPTIONS": {"CONNECT_TIMEOUT_MS": 500, "OPERATION_TIMEOUT_MS": 500},
     }
-    with override_settings(SYNCGUARD_BACKENDS={"gone": entry}):
-        with pytest.raises(CommandError, match=r"^raise-floor failed \(ServiceUnavailable\): "):
-            fences("raise-floor", "5", "--backend", "gone")
+    failed = r"^raise-floor failed \(ServiceUnavailable\): "
+    with (
+        override_settings(SYNCGUARD_BACKENDS={"gone": entry}),
+        pytest.raises(CommandError, match=failed),
+    ):
+        fences("raise-floor", "5", "--backend", "gone")

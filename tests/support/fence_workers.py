@@ -1,0 +1,51 @@
+"""Processes of the fence tests (tests/test_redis_restart.py): spawned children import
+this module before Django is set up, so models are imported inside the functions."""
+
+from __future__ import annotations
+
+from django.db.models import F
+
+from django_syncguard import StaleFenceError, fenced_update
+from django_syncguard.backends.redis import RedisBackend
+from tests.support.workers import setup_django
+
+#: Payments per process and phase, spread over the accounts.
+PAYMENTS = 15
+
+
+def pay(databases, params, pks, barrier, results) -> None:
+    """One process: ``PAYMENTS`` locked, fenced payments; reports (pk, fence, written)."""
+    try:
+        setup_django(databases)
+        from django_syncguard import current_lock, lock
+        from tests.testapp.models import Account
+
+        backend = RedisBackend("restart", params)
+        log: list[tuple[int, str, bool]] = []
+
+        def write(pk: int) -> None:
+            lease = current_lock()
+            assert lease is not None
+            try:
+                rows = Account.objects.using("postgres").filter(pk=pk)
+                fenced_update(rows, lease.fence, balance=F("balance") + 1)
+                log.append((pk, lease.fence, True))
+            except StaleFenceError:
+                log.append((pk, lease.fence, False))
+
+        barrier.wait()
+        for n in range(PAYMENTS):
+            pk = pks[n % len(pks)]
+            lock(
+                lambda pk=pk: write(pk),
+                key=f"account:{pk}",
+                using=backend,
+                ttl_ms=30_000,
+                timeout_ms=60_000,
+                max_retries=1_000_000,
+                retry_delay_ms=5,
+            )
+        backend.close()
+        results.put(log)
+    except BaseException as exc:  # reported, and the test fails with it
+        results.put(exc)
