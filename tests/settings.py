@@ -75,8 +75,11 @@ DATABASES = {
         "ENGINE": "django.db.backends.sqlite3",
         "NAME": str(_TMP / "syncguard-tests.sqlite3"),
         "TEST": {"NAME": str(_TMP / f"syncguard-tests-{os.getpid()}.sqlite3")},
-        # WAL: readers never block the lock backend's writes (and the reverse).
-        "OPTIONS": {"init_command": "PRAGMA journal_mode=WAL;"},
+        # WAL: readers never block the lock backend's writes (and the reverse). The
+        # busy timeout (Python's default is 5 s) is for the multi-process tests, whose
+        # writers queue for SQLite's one write lock: on a loaded CI machine a writer
+        # once waited longer than 5 s ("database is locked").
+        "OPTIONS": {"init_command": "PRAGMA journal_mode=WAL;", "timeout": 30},
     },
     # Started on a free port by the postgres_server fixture, which fills in PORT.
     "postgres": {
