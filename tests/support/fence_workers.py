@@ -3,6 +3,8 @@ this module before Django is set up, so models are imported inside the functions
 
 from __future__ import annotations
 
+import os
+
 from django.db.models import F
 
 from django_syncguard import StaleFenceError, fenced_update
@@ -47,5 +49,43 @@ def pay(databases, params, pks, barrier, results) -> None:
             )
         backend.close()
         results.put(log)
+    except BaseException as exc:  # reported, and the test fails with it
+        results.put(exc)
+
+
+def cycle_keys(databases, entry, environ, keys, iterations, log, barrier, results) -> None:
+    """One process: take ``keys`` in turn ``iterations`` times, appending ``key fence``
+    to ``log`` inside each critical section (``O_APPEND``: lines land in the order the
+    holders of one key held it)."""
+    try:
+        os.environ.update(environ)
+        setup_django(databases)
+        from django.utils.module_loading import import_string
+
+        from django_syncguard import current_lock, lock
+
+        params = dict(entry)
+        backend = import_string(params.pop("BACKEND"))("cycler", params)
+
+        def section(key: str) -> None:
+            lease = current_lock()
+            assert lease is not None
+            with open(log, "a") as f:
+                f.write(f"{key} {lease.fence}\n")
+
+        barrier.wait()
+        for n in range(iterations):
+            key = keys[n % len(keys)]
+            lock(
+                lambda key=key: section(key),
+                key=key,
+                using=backend,
+                ttl_ms=60_000,
+                timeout_ms=60_000,
+                max_retries=1_000_000,
+                retry_delay_ms=2,
+            )
+        backend.close()
+        results.put(iterations)
     except BaseException as exc:  # reported, and the test fails with it
         results.put(exc)
