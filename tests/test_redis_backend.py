@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import random
 import socket
 import sys
 import threading
@@ -20,8 +21,9 @@ from django_syncguard import (
     ServiceUnavailable,
     generate_lock_id,
 )
-from django_syncguard.backends.redis import RedisBackend, map_redis_error
+from django_syncguard.backends.redis import W010, RedisBackend, map_redis_error
 from django_syncguard.handler import InvalidBackendError, LockHandler
+from django_syncguard.waiting import WaitTicket
 from tests.support.faults import wait_until
 from tests.support.harness import RedisHarness
 from tests.support.servers import RedisServer
@@ -36,6 +38,13 @@ def rh(redis_server):
 
 def backend_on(server: RedisServer, **options) -> RedisBackend:
     return RedisBackend("r", {"LOCATION": server.url, "OPTIONS": options})
+
+
+def server_clock_passed(backend: RedisBackend, fence: int) -> bool:
+    """Wait until the server's clock is past ``fence`` (a clock-mode fence runs ahead of
+    the clock by the acquisitions made within one millisecond); True then."""
+    wait_until(lambda: backend.now_ms() > fence, 5, f"the server's clock passes {fence}")
+    return True
 
 
 def command_calls(client: redis.Redis) -> dict[str, int]:
@@ -71,7 +80,11 @@ def test_each_operation_is_one_evalsha(rh):
             {"time": 1, "get": 1, "hmget": 1, "hdel": 1, "del": 1},
         ),
         (lambda: backend.release(held.lock_id), {"time": 1, "get": 1}),
-        (lambda: backend.acquire("rt", 10_000), {"time": 1, "hmget": 1, "hset": 1, "set": 1}),
+        # A free key: the fence floor is read too (GET), in the same script.
+        (
+            lambda: backend.acquire("rt", 10_000),
+            {"time": 1, "hmget": 1, "get": 1, "hset": 1, "set": 1},
+        ),
     ]
     for operation, in_script in expected:
         backend.client.config_resetstat()
@@ -115,7 +128,8 @@ def test_layout_is_one_hash_and_one_index_key_per_held_lock(rh):
     assert backend.client.ttl(f"{rh.prefix}:invoice:42") == -1  # the counter never expires
     assert 60_000 < backend.client.pttl(f"{rh.prefix}#id:{result.lock_id}") <= 61_000
     backend.release(result.lock_id)
-    assert backend.client.hgetall(f"{rh.prefix}:invoice:42") == {b"f": b"1"}
+    # The counter and the last acquisition time stay (compaction reads the latter).
+    assert backend.client.hgetall(f"{rh.prefix}:invoice:42") == {b"f": b"1", b"a": lock[b"a"]}
     assert backend.client.exists(f"{rh.prefix}#id:{result.lock_id}") == 0
 
 
@@ -140,7 +154,7 @@ def test_hashed_storage_keys_keep_the_raw_key(redis_server):
 @pytest.mark.slow
 def test_fences_keep_increasing_across_a_restart_with_aof():
     server = RedisServer(aof=True).start()
-    backend = backend_on(server)
+    backend = backend_on(server, FENCES="counter")  # counters alone carry the fences
     try:
         for expected in ("000000000000001", "000000000000002"):
             result = backend.acquire("k", 60_000)
@@ -159,15 +173,35 @@ def test_fences_keep_increasing_across_a_restart_with_aof():
 @pytest.mark.slow
 def test_without_aof_fences_are_lost_and_the_deploy_check_says_so():
     server = RedisServer(aof=False).start()
-    backend = backend_on(server)
+    backend = backend_on(server, FENCES="counter")  # the mode whose fences restart
     try:
         [warning] = backend.deploy_check()
         assert warning.id == "syncguard.W010"
-        assert "appendonly" in warning.msg
+        assert warning.msg == W010.format(alias="r", mode="counter")
         backend.release(backend.acquire("k", 60_000).lock_id)
         server.restart()
         # What the warning is about: the counter started again.
         assert backend.acquire("k", 60_000).fence == "000000000000001"
+    finally:
+        backend.close()
+        server.destroy()
+
+
+@pytest.mark.slow
+def test_without_aof_clock_fences_keep_increasing_across_a_restart():
+    server = RedisServer(aof=False).start()
+    backend = backend_on(server)  # the default mode: clock
+    try:
+        [warning] = backend.deploy_check()
+        assert warning.msg == W010.format(alias="r", mode="clock")
+        held = backend.acquire("k", 60_000)
+        last = int(held.fence)
+        server.restart()
+        # The lock and its counter are gone; the server's clock is past the last fence
+        # (a restart takes far longer than a millisecond), so the next one is above it.
+        assert server_clock_passed(backend, last)
+        assert backend.lookup(key="k") is None
+        assert int(backend.acquire("k", 60_000).fence) > last
     finally:
         backend.close()
         server.destroy()
@@ -277,13 +311,15 @@ def test_redis_errors_are_mapped(error, expected):
 def test_cleanup_in_is_locked_removes_lock_fields_but_keeps_the_fence(redis_server):
     harness = RedisHarness(CLEANUP_IN_IS_LOCKED=True)
     backend = harness.redis
-    backend.acquire("old", 1_000)
+    acquired_at = backend.lookup(lock_id=backend.acquire("old", 1_000).lock_id).acquired_at_ms
     harness.advance(1_000 + 1_500)  # inside the 2000 ms guard
     assert backend.is_locked("old") is False
     assert backend.client.hexists(backend.lock_key("old"), "i") == 1
     harness.advance(1_000)  # 2500 ms past expiry
     assert backend.is_locked("old") is False
-    assert backend.client.hgetall(backend.lock_key("old")) == {b"f": b"1"}
+    # The counter and the last acquisition time (aged with the lock) stay.
+    acquired = str(acquired_at - 3_500).encode()
+    assert backend.client.hgetall(backend.lock_key("old")) == {b"f": b"1", b"a": acquired}
     assert backend.acquire("old", 1_000).fence == "000000000000002"
     harness.close()
 
@@ -307,6 +343,151 @@ def test_is_locked_never_writes_without_cleanup(rh):
     rh.redis.client.config_resetstat()
     assert rh.redis.is_locked("k") is False
     assert rh.redis.client.hexists(rh.redis.lock_key("k"), "i") == 1
+
+
+# ---------------------------------------------------------- fence continuity
+@pytest.fixture
+def default_backend(redis_server):
+    """A backend with the default options (clock fences), under a prefix of its own."""
+    prefix = f"sg{uuid.uuid4().hex[:12]}"
+    backend = RedisBackend("r", {"LOCATION": redis_server.url, "KEY_PREFIX": prefix})
+    yield backend
+    keys = list(backend.client.scan_iter(match=f"{prefix}[:#]*", count=1000))
+    if keys:
+        backend.client.delete(*keys)
+    backend.close()
+
+
+def take_and_release(backend: RedisBackend, key: str) -> int:
+    result = backend.acquire(key, 60_000)
+    assert result.ok and backend.release(result.lock_id).ok
+    return int(result.fence)
+
+
+def test_clock_fences_are_the_default_and_outlive_a_lost_counter(default_backend, rh):
+    backend = default_backend
+    assert backend.fence_mode == "clock"
+    fences = [take_and_release(backend, "lost") for _ in range(3)]
+    assert fences[0] < fences[1] < fences[2]
+    # The counter is lost, as with a restart without AOF or a failover that missed it.
+    assert backend.client.delete(backend.lock_key("lost")) == 1
+    assert server_clock_passed(backend, fences[2])
+    assert take_and_release(backend, "lost") > fences[2]
+
+    # The premise, in counter mode: the same loss starts the key's fences again.
+    counted = rh.redis
+    assert [take_and_release(counted, "lost") for _ in range(3)] == [1, 2, 3]
+    assert counted.client.delete(counted.lock_key("lost")) == 1
+    assert take_and_release(counted, "lost") == 1
+
+
+def keys_touched(client: redis.Redis, run) -> set[str]:
+    """The keys of every command that scripts ran on the server during ``run()``, as
+    the server names them (MONITOR, then COMMAND GETKEYS on each). Keys and arguments
+    must be free of spaces (MONITOR's lines are split on them)."""
+    marker = f"done-{uuid.uuid4().hex}"
+    touched: set[str] = set()
+    with client.monitor() as monitor:
+        run()
+        client.echo(marker)
+        while (seen := monitor.next_command())["command"] != f"ECHO {marker}":
+            if seen["client_type"] != "lua":
+                continue
+            try:
+                keys = client.command_getkeys(*seen["command"].split(" "))
+            except redis.exceptions.ResponseError:  # TIME, PUBLISH: no key arguments
+                continue
+            touched.update(k if isinstance(k, str) else k.decode() for k in keys)
+    return touched
+
+
+def test_the_acquire_script_touches_only_the_keys_it_declares(rh, monkeypatch):
+    # Redis Cluster routes a script by its KEYS (issue 22): the floor must be one.
+    backend = rh.redis
+    declared: list[str] = []
+    script = backend._scripts["acquire"]
+
+    def recording(*, keys: list[str], args: list[object]) -> object:
+        declared.extend(keys)
+        return script(keys=keys, args=args)
+
+    monkeypatch.setitem(backend._scripts, "acquire", recording)
+    backend.raise_fence_floor(10)
+    ticket = WaitTicket.new()
+    held = backend.acquire("declared", 60_000)
+    assert declared[2] == f"{rh.prefix}#floor" == backend.floor_key
+
+    def the_queue_path() -> None:
+        assert backend.acquire("declared", 60_000, ticket=ticket).queue_position == 0
+        assert backend.release(held.lock_id).ok
+        assert backend.acquire("declared", 60_000, ticket=ticket).fence == "000000000000012"
+
+    declared.clear()
+    touched = keys_touched(backend.client, lambda: take_and_release(backend, "free"))
+    touched |= keys_touched(backend.client, the_queue_path)
+    index_keys = {k for k in touched if k.startswith(f"{rh.prefix}#id:")}
+    assert touched - index_keys == {
+        backend.lock_key("free"),
+        backend.lock_key("declared"),
+        backend.floor_key,
+    }
+    assert touched <= set(declared) | {backend.index_key(held.lock_id)}  # release's own
+
+
+def test_raising_the_floor_from_many_threads_ends_at_the_largest(rh):
+    backend = rh.redis
+    values = list(range(1, 401))
+    random.Random(22).shuffle(values)
+    threads = 8
+    barrier = threading.Barrier(threads)
+    seen: dict[int, list[tuple[int, int]]] = {}
+
+    def raise_some(n: int) -> None:
+        barrier.wait()
+        seen[n] = [(value, backend.raise_fence_floor(value)) for value in values[n::threads]]
+
+    workers = [threading.Thread(target=raise_some, args=(n,)) for n in range(threads)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+
+    assert backend.fence_state().floor == 400
+    for answers in seen.values():
+        floors = [floor for _, floor in answers]
+        assert all(floor >= value for value, floor in answers)  # never below a raise
+        assert floors == sorted(floors)  # never lowered by another thread's raise
+
+
+def test_compaction_batches_stay_within_batch_size_when_scan_returns_more(rh):
+    # As for cleanup: a SCAN reply larger than the batch is taken in slices.
+    for n in range(300):
+        take_and_release(rh.redis, f"many:{n}")
+    rh.advance(60_000)
+
+    batches = list(rh.redis.compact_fences(idle_ms=30_000, batch_size=1))
+
+    assert sum(batches) == 300
+    assert set(batches) == {1}
+    assert rh.redis.fence_state().highest == 0
+
+
+def test_compaction_spares_a_live_waiter_and_not_a_dead_one(rh):
+    backend = rh.redis
+    held = backend.acquire("waited", 60_000)
+    ticket = WaitTicket(id=generate_lock_id(), patience_ms=60_000)
+    assert backend.acquire("waited", 60_000, ticket=ticket).queue_position == 0
+    assert backend.release(held.lock_id).ok
+    rh.advance(10_000)  # acquired 10 s ago; the waiter's place lasts 50 s more
+
+    assert sum(backend.compact_fences(idle_ms=5_000)) == 0
+    assert backend.client.hget(backend.lock_key("waited"), "q") == b"1"
+
+    rh.advance(60_000)  # the waiter never came back (its process died)
+    assert sum(backend.compact_fences(idle_ms=5_000)) == 1
+    assert backend.client.exists(backend.lock_key("waited")) == 0
+    assert backend.fence_state().floor == 1
+    assert backend.acquire("waited", 60_000, ticket=ticket).fence == "000000000000002"
 
 
 # -------------------------------------------------------------- configuration
@@ -366,7 +547,29 @@ def test_check_deploy_warns_about_redis_without_aof(settings, redis_server):
     }
     messages = checks.run_checks(tags=["syncguard"], include_deployment_checks=True)
     assert [m.id for m in messages if m.id.startswith("syncguard.W01")] == ["syncguard.W010"]
-    assert "'redis'" in next(m.msg for m in messages if m.id == "syncguard.W010")
+    [message] = [m.msg for m in messages if m.id == "syncguard.W010"]
+    assert message == W010.format(alias="redis", mode="clock")
+    assert message.startswith("Lock backend 'redis' (fence mode 'clock'): ")
+    assert "fenced writes stay safe" in message
+    assert "OPTIONS FENCES 'clock'" in message
+    assert "manage.py syncguard_fences raise-floor" in message
+
+
+def test_check_deploy_names_the_counter_mode_of_the_alias(settings, redis_server):
+    from django.core import checks
+
+    settings.SYNCGUARD_BACKENDS = {
+        "default": {"BACKEND": "django_syncguard.backends.memory.MemoryBackend"},
+        "counted": {
+            "BACKEND": "django_syncguard.backends.redis.RedisBackend",
+            "LOCATION": redis_server.url,
+            "OPTIONS": {"FENCES": "counter"},
+        },
+    }
+    messages = checks.run_checks(tags=["syncguard"], include_deployment_checks=True)
+    [message] = [m.msg for m in messages if m.id == "syncguard.W010"]
+    assert message == W010.format(alias="counted", mode="counter")
+    assert message.startswith("Lock backend 'counted' (fence mode 'counter'): ")
 
 
 def test_close_closes_the_async_client_of_every_loop(redis_server):

@@ -111,8 +111,10 @@ class DatabaseHarness(Harness):
         )
 
 
-# Moves time for the Redis backend: ages every lock hash of one prefix, and the
-# deadlines of its queued wait tickets ('w:<ticket id>' = '<arrival> <live until ms>').
+# Moves time for the Redis backend: ages every lock hash of one prefix (its expiry,
+# and its last acquisition time, kept after a release, so compaction sees old
+# counters), and the deadlines of its queued wait tickets ('w:<ticket id>' =
+# '<arrival> <live until ms>').
 _AGE_REDIS = """
 local cursor = '0'
 local ms = tonumber(ARGV[2])
@@ -121,9 +123,10 @@ repeat
   cursor = page[1]
   for _, key in ipairs(page[2]) do
     if redis.call('TYPE', key).ok == 'hash' then
-      if redis.call('HEXISTS', key, 'e') == 1 then
-        redis.call('HINCRBY', key, 'e', -ms)
-        redis.call('HINCRBY', key, 'a', -ms)
+      for _, field in ipairs({'e', 'a'}) do
+        if redis.call('HEXISTS', key, field) == 1 then
+          redis.call('HINCRBY', key, field, -ms)
+        end
       end
       local all = redis.call('HGETALL', key)
       for j = 1, #all, 2 do

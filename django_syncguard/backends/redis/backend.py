@@ -8,12 +8,18 @@
 
 Key layout (``P`` is the prefix without trailing colons)::
 
-    P:<key>          hash  f = last fence (never deleted, no TTL)
-                           i = lock id, e = expires at (ms), a = acquired at (ms),
+    P:<key>          hash  f = last fence, a = last acquired at (ms) (no TTL; both
+                           kept after a release, deleted only by compaction)
+                           while held: i = lock id, e = expires at (ms),
                            k = user key (only when <key> had to be hashed)
                            while waiters queue: q = how many, n = last arrival number,
                            w:<ticket id> = "<arrival> <live until ms>" for each
     P#id:<lock id>   string, the full name of the hash above, expiring with the lock
+    P#floor          string, the alias's fence floor (absent: 0)
+
+A new fence is ``max(f, floor) + 1``, and in clock mode (``OPTIONS["FENCES"]``,
+default ``"clock"`` here) at least the server's clock in ms, all inside the acquire
+script (:func:`django_syncguard.fence_floors.next_fence`).
 
 A release wakes the first live waiter with ``PUBLISH P:<key> <ticket id>``: the
 channel is the lock hash's own name (channels and keys are separate namespaces);
@@ -24,9 +30,10 @@ housekeeping), ``scripts.py`` (the Lua, one script per operation), ``client.py``
 (the only module that builds connections and maps redis-py's errors) and
 ``wakeups.py`` (the pub/sub subscriber).
 
-Lock keys all start with ``P:`` and index keys with ``P#``, so no user key can land
-on an index entry; the fence counter lives inside the key's own hash, so no user key
-can land on another key's counter either. See ``specs/backends/redis.md``.
+Lock keys all start with ``P:`` and index keys (and the floor) with ``P#``, so no
+user key can land on an index entry or the floor; the fence counter lives inside the
+key's own hash, so no user key can land on another key's counter either. See
+``specs/backends/redis.md``.
 """
 
 from __future__ import annotations
@@ -47,6 +54,7 @@ from ...constants import (
     TIME_TOLERANCE_MS,
 )
 from ...errors import InvalidArgument, LockError
+from ...fence_floors import FenceMode, IdleCounter
 from ...fencing import FENCE_MAX, fence_overflow_error, format_fence
 from ...keys import derived, generate_lock_id, make_storage_key
 from ...results import AcquireResult, ExtendResult, LockPage, LockRecord, ReleaseResult
@@ -60,9 +68,13 @@ if TYPE_CHECKING:
 
 # System-check messages of this backend (see checks.py for the table of ids).
 W010 = (
-    "Lock backend {alias!r}: the Redis server runs without AOF persistence "
-    "(appendonly no). After a restart its fence counters can go back to older values "
-    "and hand out fences already used. Enable appendonly (appendfsync everysec or always)."
+    "Lock backend {alias!r} (fence mode {mode!r}): the Redis server runs without AOF "
+    "persistence (appendonly no). In clock mode (the default) a restart without "
+    "persistence frees held locks early, but fenced writes stay safe: new fences start "
+    "from the server's clock. In counter mode fences restart from 1, and fenced writes "
+    "to existing rows are refused as stale until the counters pass them. Use clock mode "
+    "(OPTIONS FENCES 'clock') or enable appendonly (appendfsync everysec or always); "
+    "to recover after such a restart, run 'manage.py syncguard_fences raise-floor'."
 )
 W011 = "Lock backend {alias!r}: could not check the server's setup: {error}"
 
@@ -74,6 +86,9 @@ RESERVE = RESERVE_BYTES["REDIS"]
 MAX_SCANS_PER_PAGE = 20
 
 _GLOB_SPECIAL = re.compile(r"([\\*?\[\]])")
+#: A compaction cursor: SCAN's cursor, and after a colon the last lock hash done when
+#: that SCAN call's reply was split into several batches.
+_IDLE_CURSOR = re.compile(r"(\d+)(?::(.+))?\Z", re.DOTALL)
 
 
 def _glob_escape(text: str) -> str:
@@ -87,6 +102,9 @@ class RedisBackend(BaseLockBackend):
     backend_name = "redis"
     time_authority = "server"
     uses_key_prefix = True
+    #: Counters live in memory: a restart without AOF or a failover can lose them, and
+    #: clock mode keeps fences increasing anyway (specs/backends/redis.md, Fences).
+    default_fence_mode: ClassVar[FenceMode] = "clock"
     known_options: ClassVar[frozenset[str]] = BaseLockBackend.known_options | CLIENT_OPTIONS
 
     def __init__(self, alias: str = "default", params: Mapping[str, Any] | None = None) -> None:
@@ -123,6 +141,11 @@ class RedisBackend(BaseLockBackend):
 
     def index_key(self, lock_id: str) -> str:
         return f"{self.prefix}#id:{lock_id}"
+
+    @property
+    def floor_key(self) -> str:
+        """The string holding the alias's fence floor (``P#``: no user key reaches it)."""
+        return f"{self.prefix}#floor"
 
     def _user_key_arg(self, key: str, lock_key: str) -> str:
         """The user key, stored only when the lock key had to be hashed."""
@@ -162,8 +185,17 @@ class RedisBackend(BaseLockBackend):
     ) -> tuple[list[str], list[Any], str]:
         lock_key = self.lock_key(key)
         lock_id = generate_lock_id()
-        keys = [lock_key, self.index_key(lock_id)]
-        args = [lock_id, ttl_ms, TIME_TOLERANCE_MS, FENCE_MAX, self._user_key_arg(key, lock_key)]
+        # Every key the script touches is in KEYS, the floor too (Redis Cluster routes
+        # and checks a script by its declared keys).
+        keys = [lock_key, self.index_key(lock_id), self.floor_key]
+        args = [
+            lock_id,
+            ttl_ms,
+            TIME_TOLERANCE_MS,
+            FENCE_MAX,
+            self._user_key_arg(key, lock_key),
+            self.fence_mode,
+        ]
         if ticket is not None:  # without one, the arguments are those of a plain acquire
             args += [ticket.id, ticket.patience_ms]
         return keys, args, lock_id
@@ -363,8 +395,70 @@ class RedisBackend(BaseLockBackend):
         except LockError as exc:
             return [checks.Warning(W011.format(alias=self.alias, error=exc), id="syncguard.W011")]
         if not int(info.get("aof_enabled", 0)):
-            return [checks.Warning(W010.format(alias=self.alias), id="syncguard.W010")]
+            message = W010.format(alias=self.alias, mode=self.fence_mode)
+            return [checks.Warning(message, id="syncguard.W010")]
         return []
+
+    # ------------------------------------------------------ fence continuity
+    def _fence_floor(self) -> int:
+        try:
+            floor = self.client.get(self.floor_key)
+        except redis_error() as exc:
+            raise map_redis_error(exc, self.alias) from exc
+        return int(floor) if floor is not None else 0
+
+    def _raise_fence_floor(self, fence: int) -> int:
+        # A script: read, compare and write cannot interleave with another raise.
+        return int(self._call("raise_floor", [self.floor_key], [fence]))
+
+    def _highest_fence(self) -> int:
+        position, match, highest = 0, self._pattern(), 0
+        while True:
+            # Every counter is read (an operator's tool): pages as large as dry runs'.
+            position, names = self._scan(position, match, MAX_PAGE_SIZE)
+            if names:
+                keys = [n.decode() for n in names]
+                highest = max(highest, int(self._call("highest_fence", keys, [])))
+            if position == 0:
+                return highest
+
+    def _idle_counters(
+        self, cutoff_ms: int, cursor: str | None, limit: int, *, stamp: bool
+    ) -> tuple[list[IdleCounter], str | None]:
+        # One SCAN call and one script per batch. COUNT is only a hint and a reply can
+        # hold more names than ``limit``: such a reply is taken in sorted slices of
+        # ``limit``, the cursor naming the last hash done, and the next batch repeats
+        # the same SCAN call (SCAN is stateless; a name present all along comes back,
+        # and sorts after the last one done).
+        parsed = _IDLE_CURSOR.match(cursor or "0")
+        if parsed is None:
+            raise InvalidArgument("cursor is not one this backend returned.")
+        position, after = int(parsed[1]), parsed[2]
+        next_position, names = self._scan(position, self._pattern(), limit)
+        pending = sorted(n.decode() for n in names)
+        if after is not None:
+            pending = [name for name in pending if name > after]
+        chunk = pending[:limit]
+        if len(pending) > limit:
+            next_cursor: str | None = f"{position}:{chunk[-1]}"
+        else:
+            next_cursor = str(next_position) if next_position else None
+        if not chunk:
+            return [], next_cursor
+        args = [cutoff_ms, TIME_TOLERANCE_MS, "1" if stamp else "0"]
+        reply = self._call("idle_counters", chunk, args)
+        counters = [
+            IdleCounter(name=reply[j].decode(), fence=int(reply[j + 1]), guard=int(reply[j + 2]))
+            for j in range(0, len(reply), 3)
+        ]
+        return counters, next_cursor
+
+    def _delete_idle_counters(self, counters: list[IdleCounter], cutoff_ms: int) -> int:
+        if not counters:
+            return 0
+        keys = [counter.name for counter in counters]
+        args = [cutoff_ms, TIME_TOLERANCE_MS, *(counter.fence for counter in counters)]
+        return int(self._call("delete_idle", keys, args))
 
 
 def _lock_key(prefix: str, key: str) -> str:

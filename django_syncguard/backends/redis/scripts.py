@@ -79,9 +79,10 @@ local function wake_next(h, now, stored)
 end
 """
 
-#: KEYS: [1] lock hash, [2] index key of the new lock id.
+#: KEYS: [1] lock hash, [2] index key of the new lock id, [3] the fence floor.
 #: ARGV: [1] lock id, [2] ttl ms, [3] tolerance ms, [4] max fence, [5] user key (""
-#: when not hashed), and for a caller with a wait ticket: [6] ticket id, [7] patience ms.
+#: when not hashed), [6] fence mode ("clock" or "counter"), and for a caller with a
+#: wait ticket: [7] ticket id, [8] patience ms.
 #: Returns {0} contention ({0, position} for a queued ticket), {2} fence overflow
 #: (nothing written), {1, fence, expires}.
 ACQUIRE = (
@@ -89,13 +90,21 @@ ACQUIRE = (
     + """
 local cur = redis.call('HMGET', KEYS[1], 'i', 'e', 'f', 'q')
 local free = not cur[1] or tonumber(cur[2]) <= now - tonumber(ARGV[3])
-local ticket = ARGV[6] or ''
+local ticket = ARGV[7] or ''
 if not free and ticket == '' then
   return {0}
 end
-local fence = (tonumber(cur[3]) or 0) + 1
-if free and fence > tonumber(ARGV[4]) then
-  return {2}
+local fence
+if free then
+  -- fence_floors.next_fence: above the key's counter and the floor, and in clock mode
+  -- at least the server's clock. Read only for a free key: contention costs no GET.
+  fence = math.max(tonumber(cur[3]) or 0, tonumber(redis.call('GET', KEYS[3])) or 0) + 1
+  if ARGV[6] == 'clock' then
+    fence = math.max(fence, now)
+  end
+  if fence > tonumber(ARGV[4]) then
+    return {2}
+  end
 end
 local waiting = tonumber(cur[4]) or 0
 if waiting > 0 or not free then
@@ -118,7 +127,7 @@ if waiting > 0 or not free then
       mine = redis.call('HINCRBY', KEYS[1], 'n', 1)
       count = count + 1
     end
-    redis.call('HSET', KEYS[1], 'w:' .. ticket, mine .. ' ' .. (now + tonumber(ARGV[7])))
+    redis.call('HSET', KEYS[1], 'w:' .. ticket, mine .. ' ' .. (now + tonumber(ARGV[8])))
     queue_store(KEYS[1], count, waiting)
     local ahead = 0
     for _, arrival in pairs(live) do
@@ -163,12 +172,13 @@ end
 )
 
 #: KEYS: [1] index key. ARGV: [1] lock id, [2] tolerance ms.
-#: Returns {1} released, {2} expired, {0} not found. The fence field stays. When
-#: waiters queue ('q' > 0), the first live one is woken by PUBLISH.
+#: Returns {1} released, {2} expired, {0} not found. The fence 'f' and the last
+#: acquisition time 'a' stay (compaction reads 'a'). When waiters queue ('q' > 0),
+#: the first live one is woken by PUBLISH.
 RELEASE = (
     _RESOLVE
     + """
-redis.call('HDEL', lock, 'i', 'e', 'a', 'k')
+redis.call('HDEL', lock, 'i', 'e', 'k')
 redis.call('DEL', KEYS[1])
 local waiting = tonumber(cur[3]) or 0
 if waiting > 0 then
@@ -215,8 +225,8 @@ return {1, expires}
 )
 
 #: KEYS: [1] lock hash. ARGV: [1] tolerance ms, [2] cleanup guard ms (0: never write).
-#: Returns 1 when live. With a guard, removes the lock fields (never the fence) of a
-#: lock expired longer ago than the guard, after deciding the answer.
+#: Returns 1 when live. With a guard, removes the lock fields (never 'f' nor 'a') of
+#: a lock expired longer ago than the guard, after deciding the answer.
 IS_LOCKED = (
     _NOW
     + """
@@ -230,7 +240,7 @@ if expires > now - tonumber(ARGV[1]) then
 end
 local guard = tonumber(ARGV[2])
 if guard > 0 and now - expires > guard then
-  redis.call('HDEL', KEYS[1], 'i', 'e', 'a', 'k')
+  redis.call('HDEL', KEYS[1], 'i', 'e', 'k')
 end
 return 0
 """
@@ -286,7 +296,7 @@ return out
 
 #: KEYS: the lock hashes found by one SCAN. ARGV: [1] cleanup guard ms, [2] "1" to
 #: only count.
-#: Removes the lock fields (never the fence) of locks expired longer ago than the
+#: Removes the lock fields (never 'f' nor 'a') of locks expired longer ago than the
 #: guard, as IS_LOCKED's cleanup does; returns how many.
 DELETE_EXPIRED = (
     _NOW
@@ -297,8 +307,115 @@ for _, name in ipairs(KEYS) do
   if cur[1] and tonumber(cur[2]) < now - tonumber(ARGV[1]) then
     n = n + 1
     if ARGV[2] ~= '1' then
-      redis.call('HDEL', name, 'i', 'e', 'a', 'k')
+      redis.call('HDEL', name, 'i', 'e', 'k')
     end
+  end
+end
+return n
+"""
+)
+
+#: KEYS: [1] the fence floor. ARGV: [1] a fence (at most fence_floors.FLOOR_MAX).
+#: Sets the floor to the larger of it and ARGV[1] (never lowers it); returns the floor.
+RAISE_FLOOR = """
+local floor = tonumber(redis.call('GET', KEYS[1])) or 0
+local wanted = tonumber(ARGV[1])
+if wanted > floor then
+  redis.call('SET', KEYS[1], ARGV[1])
+  return wanted
+end
+return floor
+"""
+
+#: KEYS: the lock hashes found by one SCAN. ARGV: none.
+#: Returns the largest fence counter 'f' among them (0: none).
+HIGHEST_FENCE = """
+local top = 0
+for _, name in ipairs(KEYS) do
+  local f = tonumber(redis.call('HGET', name, 'f')) or 0
+  if f > top then
+    top = f
+  end
+end
+return top
+"""
+
+# Fragment of IDLE_COUNTERS and DELETE_IDLE: ``unheld(h, i, e, q, now, tolerance)``,
+# whether lock hash h (whose fields 'i', 'e', 'q' were read as i, e, q) holds no live
+# lock and has no live waiter. The queue is read (HGETALL) only when 'q' says somebody
+# waits; a waiter whose 'live until' has passed (its process died without withdrawing)
+# does not count, as the queue rule would prune it, so a key its dead waiters left
+# behind can still be compacted. Writes nothing (dry runs call it too).
+_UNHELD = """
+local function unheld(h, i, e, q, now, tolerance)
+  if i and tonumber(e) > now - tolerance then
+    return false
+  end
+  if (tonumber(q) or 0) == 0 then
+    return true
+  end
+  local all = redis.call('HGETALL', h)
+  for j = 1, #all, 2 do
+    if string.sub(all[j], 1, 2) == 'w:' then
+      local value = all[j + 1]
+      local space = string.find(value, ' ', 1, true)
+      if tonumber(string.sub(value, space + 1)) > now then
+        return false
+      end
+    end
+  end
+  return true
+end
+"""
+
+#: KEYS: the lock hashes of (part of) one SCAN page. ARGV: [1] cut-off ms,
+#: [2] tolerance ms, [3] "1" to stamp.
+#: Returns {name, f, a, name, f, a, ...} for the idle counters among them: a hash with
+#: a counter 'f', no live lock, no live waiter, last acquired ('a') before the cut-off.
+#: With a stamp, a counter without 'a' (kept by a version that deleted 'a' on release)
+#: gets 'a' = now; it is not idle then (now is after any cut-off).
+IDLE_COUNTERS = (
+    _NOW
+    + _UNHELD
+    + """
+local cutoff, tolerance = tonumber(ARGV[1]), tonumber(ARGV[2])
+local out = {}
+for _, name in ipairs(KEYS) do
+  local cur = redis.call('HMGET', name, 'f', 'i', 'e', 'q', 'a')
+  if cur[1] and not cur[5] then
+    if ARGV[3] == '1' then
+      redis.call('HSET', name, 'a', now)
+    end
+  elseif cur[1] and tonumber(cur[5]) < cutoff
+      and unheld(name, cur[2], cur[3], cur[4], now, tolerance) then
+    table.insert(out, name)
+    table.insert(out, cur[1])
+    table.insert(out, cur[5])
+  end
+end
+return out
+"""
+)
+
+#: KEYS: lock hashes IDLE_COUNTERS returned. ARGV: [1] cut-off ms, [2] tolerance ms,
+#: then [2 + j] the fence read of KEYS[j].
+#: Deletes each hash (counter, 'a', stale queue fields) that still holds the fence
+#: read, still has no live lock and no live waiter, and was still last acquired before
+#: the cut-off; returns how many. The caller raised the floor to at least these fences
+#: first (fence_floors.compact): an acquire that comes after a delete starts above it,
+#: and one that came before changed 'f' and 'a', so the delete skips that hash.
+DELETE_IDLE = (
+    _NOW
+    + _UNHELD
+    + """
+local cutoff, tolerance = tonumber(ARGV[1]), tonumber(ARGV[2])
+local n = 0
+for j, name in ipairs(KEYS) do
+  local cur = redis.call('HMGET', name, 'f', 'i', 'e', 'q', 'a')
+  if cur[1] and tonumber(cur[1]) == tonumber(ARGV[2 + j]) and cur[5]
+      and tonumber(cur[5]) < cutoff and unheld(name, cur[2], cur[3], cur[4], now, tolerance) then
+    redis.call('DEL', name)
+    n = n + 1
   end
 end
 return n
@@ -316,4 +433,8 @@ SCRIPTS = {
     "lookup_by_id": LOOKUP_BY_ID,
     "list_live": LIST_LIVE,
     "delete_expired": DELETE_EXPIRED,
+    "raise_floor": RAISE_FLOOR,
+    "highest_fence": HIGHEST_FENCE,
+    "idle_counters": IDLE_COUNTERS,
+    "delete_idle": DELETE_IDLE,
 }
