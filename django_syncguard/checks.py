@@ -22,7 +22,9 @@
 ``syncguard.W003``  A ``@locked`` function's ``ttl_ms`` cannot outlast one call to its
                     backend (``OPERATION_TIMEOUT_MS``), or, with ``auto_extend``, the
                     lease left at a renewal (two thirds of ``ttl_ms``) cannot.
-``syncguard.W010``  (deploy) A Redis server runs without AOF: fences can go backwards.
+``syncguard.W010``  (deploy) A Redis server runs without AOF: a restart frees held locks
+                    early; in counter mode fences also go back (clock mode, the
+                    default, keeps them above the last one).
 ``syncguard.W011``  (deploy) A backend's server could not be asked about its setup.
 ``syncguard.W012``  (deploy) PostgreSQL: a LISTENing connection does not hear the
                     backend's notifications (a transaction pooler): waiters poll.

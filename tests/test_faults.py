@@ -206,7 +206,8 @@ def proxied(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
         backend = DatabaseBackend(alias, {"OPTIONS": {"DATABASE": "postgres", **TIMEOUTS}})
     elif kind == "redis":
         url = f"redis://127.0.0.1:{proxy.port}/0"
-        backend = RedisBackend(alias, {"LOCATION": url, "KEY_PREFIX": alias, "OPTIONS": TIMEOUTS})
+        options = {**TIMEOUTS, "FENCES": "counter"}  # the tests count fences from 1
+        backend = RedisBackend(alias, {"LOCATION": url, "KEY_PREFIX": alias, "OPTIONS": options})
     else:
         options = _firestore_options(**TIMEOUTS)
         _warm_up_firestore(server.host, options, monkeypatch)
@@ -402,7 +403,9 @@ def test_redis_without_aof_killed_loses_its_fence_counters():
     port = server.port
     backend = None
     try:
-        backend = RedisBackend("no-aof", {"LOCATION": server.url, "OPTIONS": TIMEOUTS})
+        # Counter mode: the mode whose counters a restart without AOF sends back to 1.
+        options = {**TIMEOUTS, "FENCES": "counter"}
+        backend = RedisBackend("no-aof", {"LOCATION": server.url, "OPTIONS": options})
         fences = []
         for _ in range(3):
             result = backend.acquire("k", 60_000)

@@ -698,6 +698,7 @@ def test_timeouts_beyond_the_longest_ttl_are_invalid_argument(option: str, value
 
 # --------------------------------------------------- Redis prefixes, with I/O
 REDIS_LIMIT, REDIS_RESERVE, HASHED_KEY = 1000, 26, 22
+COUNTER = {"FENCES": "counter"}
 
 
 def redis_prefix_expected(prefix: str, key: str) -> str:
@@ -725,7 +726,8 @@ def test_any_accepted_redis_prefix_gives_working_locks(redis_server: Any) -> Non
     @settings(max_examples=60, deadline=None, database=None)
     @given(REDIS_PREFIXES)
     def prop(prefix: str) -> None:
-        params = {"LOCATION": redis_server.url, "KEY_PREFIX": prefix}
+        # Counter fences: a key never seen before gets fence 1.
+        params = {"LOCATION": redis_server.url, "KEY_PREFIX": prefix, "OPTIONS": COUNTER}
         if has_lone_surrogate(prefix) or prefix.rstrip(":") == "" or "#" in prefix:
             with pytest.raises(LockError) as caught:
                 RedisBackend("properties", params)

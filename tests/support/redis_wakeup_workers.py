@@ -15,7 +15,9 @@ WAIT_S = 60.0
 def _backend(url: str, prefix: str) -> Any:
     from django_syncguard.backends.redis import RedisBackend
 
-    return RedisBackend("child", {"LOCATION": url, "KEY_PREFIX": prefix})
+    # Counter fences: the parent's tests assert fences counted from 1 (its harness's).
+    options = {"FENCES": "counter"}
+    return RedisBackend("child", {"LOCATION": url, "KEY_PREFIX": prefix, "OPTIONS": options})
 
 
 def hold_then_release(url, prefix, key, held, release, results) -> None:

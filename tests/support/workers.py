@@ -93,7 +93,9 @@ def redis_hammer(url, prefix, key, iterations, barrier, results) -> None:
     from django_syncguard import current_lock
     from django_syncguard.backends.redis import RedisBackend
 
-    backend = RedisBackend("worker", {"LOCATION": url, "KEY_PREFIX": prefix})
+    # Counter fences: the test asserts they count 1, 2, ... in the order sections ran.
+    params = {"LOCATION": url, "KEY_PREFIX": prefix, "OPTIONS": {"FENCES": "counter"}}
+    backend = RedisBackend("worker", params)
     shared = f"{prefix}-shared-counter"
     records: list[tuple[int, str]] = []
 
