@@ -341,6 +341,18 @@ def take(backend: FirestoreBackend, key: str) -> str:
     return result.fence
 
 
+async def test_the_async_acquire_reads_the_floor_too(fh):
+    backend = fh.firestore
+    assert backend.raise_fence_floor(30) == 30
+    result = await backend.aacquire("async-floored", 60_000)
+    assert result.fence == "000000000000031"
+    assert fence_docs(fh)["fence:async-floored"] == {
+        "fence": "000000000000031",
+        "acquiredAtMs": lock_docs(fh)["async-floored"]["acquiredAtMs"],
+    }
+    await backend.clients.aclose()
+
+
 def test_a_counter_compacted_between_an_acquires_read_and_write(fh, monkeypatch):
     # The acquire reads the counter (8), compaction (another process) raises the floor
     # to 50 and deletes it, then the acquire's guarded counter write fails: it reads
