@@ -904,3 +904,44 @@ def test_the_acquire_of_code_before_0006_applies_the_floor(pg):
         "fence:old9": (41, True),
         "fence:old7": (41, True),
     }
+
+
+@pytest.mark.slow
+@both_databases
+@on_both
+def test_fences_keep_increasing_while_compaction_runs_flat_out(harness_cls):
+    # Compaction with no idle time deletes every released counter it meets, in
+    # batches, while three threads take and release their own key: on PostgreSQL its
+    # statements fall anywhere inside the acquires (no advisory lock).
+    h = harness_cls()
+    stop = threading.Event()
+
+    def compact() -> int:
+        deleted = 0
+        while not stop.is_set():
+            deleted += sum(h.backend.compact_fences(idle_ms=0, batch_size=2))
+        return deleted
+
+    def hammer(key: str) -> list[int]:
+        fences = []
+        for _ in range(150):
+            result = h.backend.acquire(key, TTL)
+            assert result.ok, result
+            fences.append(int(result.fence))
+            assert h.backend.release(result.lock_id).ok
+        return fences
+
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            compacting = pool.submit(compact)
+            taking = {key: pool.submit(hammer, key) for key in ("flat:1", "flat:2", "flat:3")}
+            try:
+                seen = {key: future.result(timeout=120) for key, future in taking.items()}
+            finally:
+                stop.set()
+            deleted = compacting.result(timeout=60)
+        for key, fences in seen.items():
+            assert fences == sorted(set(fences)), f"{key} went back or repeated: {fences}"
+        assert deleted > 0
+    finally:
+        h.close()
