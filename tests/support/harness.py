@@ -100,6 +100,10 @@ class DatabaseHarness(Harness):
         )
         # Wait tickets too: a waiter that stopped checking in loses its place.
         self.execute("UPDATE syncguard_waiters SET live_until_ms = live_until_ms - %s", [ms])
+        # And the counters' last acquisitions, for compaction (NULL stays NULL).
+        self.execute(
+            "UPDATE syncguard_fence_counters SET acquired_at_ms = acquired_at_ms - %s", [ms]
+        )
 
     def set_fence(self, key: str, value: int) -> None:
         assert isinstance(self.backend, DatabaseBackend)
