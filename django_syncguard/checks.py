@@ -22,6 +22,10 @@
 ``syncguard.W003``  A ``@locked`` function's ``ttl_ms`` cannot outlast one call to its
                     backend (``OPERATION_TIMEOUT_MS``), or, with ``auto_extend``, the
                     lease left at a renewal (two thirds of ``ttl_ms``) cannot.
+``syncguard.W013``  Two aliases share one key namespace with nested prefixes (Redis:
+                    ``KEY_PREFIX`` "a" and "a:b" on one server): the outer alias's keys
+                    include the inner one's, and its fence compaction deletes the
+                    inner alias's counters without raising the inner alias's floor.
 ``syncguard.W010``  (deploy) A Redis server runs without AOF: a restart frees held locks
                     early; in counter mode fences also go back (clock mode, the
                     default, keeps them above the last one).
@@ -53,6 +57,7 @@ from typing import Any
 
 from django.core import checks
 
+from .contract import LockBackend
 from .errors import LockError
 from .handler import InvalidBackendError, LockHandler
 from .registry import LockedFunction, locked_functions
@@ -70,6 +75,13 @@ E007_HINT = (
     "Define at least a 'default' alias, or remove the setting to keep locks in "
     "DATABASES['default']."
 )
+W013 = (
+    "Lock backends {outer!r} and {inner!r} share one store, and every key of {inner!r} is "
+    "also a key of {outer!r} (prefix {outer_prefix!r} contains {inner_prefix!r}): the two "
+    "can lock the same key under different names, and compacting {outer!r}'s fence "
+    "counters deletes {inner!r}'s without raising its floor."
+)
+W013_HINT = "Give each alias a prefix that does not start with another's prefix followed by ':'."
 W003_TTL = (
     "{function}: @locked(ttl_ms={ttl_ms}) is not longer than OPERATION_TIMEOUT_MS of lock "
     "backend {using!r} ({timeout} ms): the lease can expire before one call to the server "
@@ -120,20 +132,38 @@ def check_backends(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckM
     handler = LockHandler()  # a private one: checks must not cache half-built backends
     messages: list[checks.CheckMessage] = []
     timeouts: dict[str, int] = {}  # alias -> operation timeout, of the aliases that built
+    namespaces: dict[str, tuple[str, str]] = {}  # alias -> (store, prefix), where shared
     for alias in handler:
-        found, timeout = check_alias(handler, alias, **kwargs)
+        found, built = check_alias(handler, alias, **kwargs)
         messages.extend(found)
-        if timeout is not None:
-            timeouts[alias] = timeout
+        if built is not None:
+            timeouts[alias] = built.operation_timeout_ms
+            namespace = getattr(built, "key_namespace", None)
+            if namespace is not None:
+                namespaces[alias] = namespace
+    messages.extend(check_nested_namespaces(namespaces))
     messages.extend(check_locked_functions(list(handler.settings), timeouts))
+    return messages
+
+
+def check_nested_namespaces(namespaces: dict[str, tuple[str, str]]) -> list[checks.CheckMessage]:
+    """W013 for each pair of aliases on one store whose prefixes nest."""
+    messages: list[checks.CheckMessage] = []
+    for outer, (store, outer_prefix) in namespaces.items():
+        for inner, (other_store, inner_prefix) in namespaces.items():
+            if store == other_store and inner_prefix.startswith(f"{outer_prefix}:"):
+                names = {"outer": outer, "inner": inner}
+                prefixes = {"outer_prefix": outer_prefix, "inner_prefix": inner_prefix}
+                message = W013.format(**names, **prefixes)
+                messages.append(checks.Warning(message, hint=W013_HINT, id="syncguard.W013"))
     return messages
 
 
 def check_alias(
     handler: LockHandler, alias: str, **kwargs: Any
-) -> tuple[list[checks.CheckMessage], int | None]:
+) -> tuple[list[checks.CheckMessage], LockBackend | None]:
     """The messages about one alias, asked of its backend class and then of the built
-    backend, and the backend's operation timeout (``None`` when it could not be built)."""
+    backend, and the backend (closed; ``None`` when it could not be built)."""
     try:
         backend_cls = handler.backend_class(alias)
     except InvalidBackendError as exc:
@@ -146,7 +176,7 @@ def check_alias(
     except (InvalidBackendError, LockError) as exc:
         return [_construction_error(alias, exc)], None
     try:
-        return list(backend.check(**kwargs)), backend.operation_timeout_ms
+        return list(backend.check(**kwargs)), backend
     finally:
         backend.close()
 

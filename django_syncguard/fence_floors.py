@@ -67,9 +67,13 @@ def validate_floor(fence: Any) -> int:
     return int(fence)
 
 
+#: Longest idle time compaction accepts: a hundred years (every store's integers hold it).
+IDLE_MAX_MS: Final = 36_500 * 86_400_000
+
+
 def validate_idle_ms(idle_ms: Any) -> int:
-    if isinstance(idle_ms, bool) or not isinstance(idle_ms, int) or idle_ms < 0:
-        raise InvalidArgument(f"idle_ms must be an int of at least 0, not {idle_ms!r}.")
+    if isinstance(idle_ms, bool) or not isinstance(idle_ms, int) or not 0 <= idle_ms <= IDLE_MAX_MS:
+        raise InvalidArgument(f"idle_ms must be an int from 0 to {IDLE_MAX_MS}, not {idle_ms!r}.")
     return int(idle_ms)
 
 
@@ -108,7 +112,9 @@ def compact(
         if dry_run:
             would += len(batch)
         elif batch:
-            backend._raise_fence_floor(max(counter.fence for counter in batch))
+            # At most FLOOR_MAX: a counter at FENCE_MAX can never be handed out again
+            # anyway, and a floor there would make every other key overflow.
+            backend._raise_fence_floor(min(max(counter.fence for counter in batch), FLOOR_MAX))
             yield backend._delete_idle_counters(batch, cutoff_ms)
         if cursor is None:
             break

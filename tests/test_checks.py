@@ -28,6 +28,8 @@ from django_syncguard.checks import (
     W003_RENEWAL_HINT,
     W003_TTL,
     W003_TTL_HINT,
+    W013,
+    W013_HINT,
     check_backends,
 )
 from django_syncguard.handler import InvalidBackendError
@@ -268,6 +270,24 @@ def test_key_prefix_is_accepted_where_keys_share_a_namespace(settings):
         "redis": {"BACKEND": REDIS, "LOCATION": "redis://127.0.0.1:1/0", "KEY_PREFIX": "app1"},
     }
     assert run() == []
+
+
+@pytest.mark.usefixtures("debug")
+def test_w013_nested_key_prefixes_on_one_redis(settings):
+    url = "redis://127.0.0.1:1/0"
+    settings.SYNCGUARD_BACKENDS = {
+        "default": {"BACKEND": MEMORY},
+        "app": {"BACKEND": REDIS, "LOCATION": url, "KEY_PREFIX": "app"},
+        "tenant": {"BACKEND": REDIS, "LOCATION": url, "KEY_PREFIX": "app:tenant"},
+        "apple": {"BACKEND": REDIS, "LOCATION": url, "KEY_PREFIX": "apple"},  # not nested
+        "elsewhere": {"BACKEND": REDIS, "LOCATION": "redis://127.0.0.1:1/1", "KEY_PREFIX": "app:x"},
+    }
+    assert only(run()) == (
+        "syncguard.W013",
+        checks.WARNING,
+        W013.format(outer="app", inner="tenant", outer_prefix="app", inner_prefix="app:tenant"),
+        W013_HINT,
+    )
 
 
 def test_e003_lock_and_fence_storage_named_the_same(settings):

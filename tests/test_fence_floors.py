@@ -8,6 +8,7 @@ import pytest
 from django_syncguard import InvalidArgument
 from django_syncguard.fence_floors import FLOOR_MAX, FenceState, next_fence
 from django_syncguard.fencing import FENCE_MAX
+from django_syncguard.waiting import PATIENCE_MS, WaitTicket
 from tests.support.harness import HARNESS_SERVERS, HARNESSES, Harness
 
 TTL = 60_000
@@ -159,6 +160,7 @@ def test_a_bad_floor_is_refused_before_any_io(no_io, floor):
     [
         ({"idle_ms": -1}, "idle_ms must be an int"),
         ({"idle_ms": 1.5}, "idle_ms must be an int"),
+        ({"idle_ms": 2**64}, "idle_ms must be an int from 0 to 3153600000000"),
         ({"idle_ms": 0, "batch_size": 0}, "batch_size"),
         ({"idle_ms": 0, "dry_run": "yes"}, "dry_run must be True or False"),
     ],
@@ -260,3 +262,32 @@ def test_compaction_in_clock_mode_raises_the_floor_too(build):
         assert take(counter, "clock-idle") == fence + 1
     finally:
         counter.close()
+
+
+def test_a_key_whose_waiters_are_gone_is_compacted(build):
+    # A waiter that withdrew, and one that died (its place lapsed): neither keeps the
+    # counter (PostgreSQL's waiters flag stays set until the key is next taken).
+    h = build(FENCES="counter")
+    backend = h.backend
+    for key in ("left:withdrew", "left:died"):
+        held = backend.acquire(key, TTL)
+        queued = WaitTicket.new()
+        assert backend.acquire(key, TTL, ticket=queued).ok is False
+        if key == "left:withdrew":
+            backend.withdraw(key, queued.id)
+        assert backend.release(held.lock_id).ok
+    h.advance(PATIENCE_MS + 10_000)
+
+    assert sum(backend.compact_fences(idle_ms=5_000)) == 2
+    assert take(backend, "left:died") == 2  # the floor: 1
+
+
+def test_compaction_never_raises_the_floor_to_the_maximum_fence(build):
+    h = build(FENCES="counter")
+    backend = h.backend
+    h.set_fence("top", FENCE_MAX - 1)
+    assert take(backend, "top") == FENCE_MAX  # the last fence this key can have
+    h.advance(10_000)
+    assert sum(backend.compact_fences(idle_ms=5_000)) == 1
+    assert backend.fence_state().floor == FLOOR_MAX
+    assert take(backend, "other") == FENCE_MAX  # one fence left for every key

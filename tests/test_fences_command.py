@@ -93,6 +93,17 @@ def test_migrate_starts_the_new_backend_above_the_old_ones_fences(two):
     assert take(new, "invoice:1") == "000000000000011"
 
 
+def test_migrate_from_a_clock_alias_covers_its_clock(two):
+    # The clock alias holds no counter at all (as after a restart without
+    # persistence), yet its fences reached its clock.
+    old, _ = two
+    assert fences("migrate", "--from", "new", "--to", "old") == (
+        "old: fence floor is now 1700000000000; every fence new handed out is at most "
+        "1700000000000.\n"
+    )
+    assert take(old, "invoice:9") == "001700000000001"
+
+
 def test_migrate_needs_two_known_aliases(two):
     with pytest.raises(CommandError, match="--from and --to name the same alias"):
         fences("migrate", "--from", "old", "--to", "old")

@@ -11,6 +11,7 @@ to move time without sleeping. The clock is the time authority (``"client"``).
 
 from __future__ import annotations
 
+import heapq
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -289,7 +290,10 @@ class MemoryBackend(BatchedCleanup, BaseLockBackend):
         record = store.locks.get(key)
         if record is not None and is_live(record.expires_at_ms, now, TIME_TOLERANCE_MS):
             return False
-        return key not in store.queues and store.acquired.get(key, cutoff_ms) < cutoff_ms
+        queue = store.queues.get(key)
+        if queue is not None and queue_head(queue, now) is not None:
+            return False  # a live waiter (lapsed places do not count)
+        return store.acquired.get(key, cutoff_ms) < cutoff_ms
 
     def _idle_counters(
         self, cutoff_ms: int, cursor: str | None, limit: int, *, stamp: bool
@@ -297,7 +301,9 @@ class MemoryBackend(BatchedCleanup, BaseLockBackend):
         store = self._store
         with store.mutex:
             now = self.clock()
-            keys = sorted(k for k in store.fences if cursor is None or k > cursor)
+            # The next limit + 1 keys in order, without sorting them all each batch.
+            after = (k for k in store.fences if cursor is None or k > cursor)
+            keys = heapq.nsmallest(limit + 1, after)
             page = keys[:limit]
             if stamp:  # counters of before acquisition times were kept (none here)
                 for key in page:

@@ -23,6 +23,7 @@ from ...results import TimeAuthority
 from ...waiting import WaitTicket
 from .errors import map_database_error
 from .operations import (
+    FENCE_PREFIX,
     IDLE_COUNTER,
     LOCK_COLUMNS,
     AcquireReply,
@@ -121,6 +122,19 @@ RAISE_FLOOR = (
 # (a data-modifying CTE: same statement, same snapshot, so the page shows them as they
 # were, NULL, not idle). Parameters: cursor, limit + 1, stamp, limit, cut-off,
 # tolerance.
+# The counter's waiters flag says a waiter *may* queue (it is cleared only when the
+# key is next taken): a key whose waiters gave up or died and which is never taken
+# again would keep its flag, and its counter, forever. So a flagged counter is idle
+# too when its key has no live ticket. (A waiter that comes back sets the flag again
+# through its acquire's upsert; a compaction racing it costs fairness, never a fence.)
+NO_WAITER = (
+    "(NOT {c}.waiters OR NOT EXISTS (SELECT 1 FROM syncguard_waiters w "
+    f"WHERE w.key = substr({{c}}.fence_key, {len(FENCE_PREFIX) + 1}) "
+    "AND w.live_until_ms > t.now_ms))"
+)
+IDLE_P = IDLE_COUNTER.format(c="p", live_after="t.now_ms - %s", no_waiter=NO_WAITER.format(c="p"))
+IDLE_C = IDLE_COUNTER.format(c="c", live_after="t.now_ms - %s", no_waiter=NO_WAITER.format(c="c"))
+
 IDLE_PAGE = f"""
 WITH t AS (SELECT {NOW_MS} AS now_ms),
 page AS (
@@ -135,7 +149,7 @@ stamped AS (
       AND c.fence_key IN (SELECT p.fence_key FROM page p ORDER BY p.fence_key LIMIT %s)
 )
 SELECT p.fence_key, p.fence, p.acquired_at_ms,
-       coalesce({IDLE_COUNTER.format(c="p", live_after="t.now_ms - %s")}, false)
+       coalesce({IDLE_P}, false)
 FROM page p, t
 ORDER BY p.fence_key
 """
@@ -153,7 +167,7 @@ WITH t AS (SELECT {NOW_MS} AS now_ms)
 DELETE FROM syncguard_fence_counters c
 USING t, unnest(%s::text[], %s::bigint[]) AS b(fence_key, fence)
 WHERE c.fence_key = b.fence_key AND c.fence = b.fence AND c.fence_key <> {FLOOR}
-  AND {IDLE_COUNTER.format(c="c", live_after="t.now_ms - %s")}
+  AND {IDLE_C}
 """
 
 

@@ -135,6 +135,12 @@ class RedisBackend(BaseLockBackend):
         return self.clients.sync()
 
     # ------------------------------------------------------------------ keys
+    @property
+    def key_namespace(self) -> tuple[str, str]:
+        """The store and prefix this alias's keys live under (the check W013 compares
+        aliases: nested prefixes on one server share keys)."""
+        return (self.location, self.prefix)
+
     def lock_key(self, key: str) -> str:
         """The hash holding ``key``'s lock fields and fence counter."""
         return derived(key, self.prefix, "redis lock key", partial(_lock_key, self.prefix, key))

@@ -130,8 +130,13 @@ class Command(BaseCommand):
         if source == target:
             raise CommandError("--from and --to name the same alias.")
         known_aliases([source, target])
-        old = keeper_of(source).fence_state()
+        source_backend = keeper_of(source)
+        old = source_backend.fence_state()
         handed_out = max(old.highest, old.floor)
+        if old.mode == "clock":
+            # Clock fences reach the source's clock: a source that lost counters (a
+            # Redis restarted empty, the usual reason to move) may hold less.
+            handed_out = max(handed_out, source_backend.now_ms())
         floor = keeper_of(target).raise_fence_floor(handed_out)
         if verbosity >= 1:
             self.stdout.write(
