@@ -382,20 +382,14 @@ class SqliteOperations(DatabaseOperations):
         the queue file only; its first statement, which prunes the key's stale
         tickets, takes that file's write lock before anything is read from it. Returns
         the ticket's place among the live waiters."""
-        cursor.execute("BEGIN")
-        try:
+        with _transaction(cursor, "BEGIN"):
             now = self.clock()
             cursor.execute(PRUNE_QUEUE, [storage_key, now])
             _, position, before, queue = _queue_rule(
                 cursor, storage_key, now, free=False, ticket=ticket
             )
             _write_queue(cursor, storage_key, before, queue)
-            cursor.execute("COMMIT")
             return position
-        except BaseException:
-            with suppress(Exception):
-                cursor.execute("ROLLBACK")
-            raise
 
     def prepare_connection(self, raw: Any) -> None:
         """Attach the queue file to a new private connection (with queues on)."""
@@ -528,19 +522,23 @@ class SqliteOperations(DatabaseOperations):
         def delete(cursor: Any) -> int:
             # One transaction for the batch (one commit): it holds the write lock, so no
             # acquire runs between a counter's check and its delete.
-            cursor.execute("BEGIN IMMEDIATE")
-            try:
-                deleted = 0
-                for row in rows:
-                    deleted += row_count(cursor, sql, row)
-                cursor.execute("COMMIT")
-                return deleted
-            except BaseException:
-                with suppress(Exception):
-                    cursor.execute("ROLLBACK")
-                raise
+            with _transaction(cursor, "BEGIN IMMEDIATE"):
+                return sum(row_count(cursor, sql, row) for row in rows)
 
         return self.run(delete)
+
+
+@contextmanager
+def _transaction(cursor: Any, begin: str) -> Iterator[None]:
+    """``begin``, the block, then COMMIT; ROLLBACK (best effort) if the block raises."""
+    cursor.execute(begin)
+    try:
+        yield
+    except BaseException:
+        with suppress(Exception):
+            cursor.execute("ROLLBACK")
+        raise
+    cursor.execute("COMMIT")
 
 
 @contextmanager
