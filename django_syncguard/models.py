@@ -1,7 +1,9 @@
 """Tables of the database backend: lock records and fence counters.
 
-Fence counters are never deleted by anything in this app: deleting one would let a
-key's fences start again from 1 and defeat fencing.
+A fence counter is deleted only by compaction (``syncguard_fences compact``), which
+first raises the alias's fence floor (a row of the counters' table) to at least its
+value, so that the key's fences never start again below it
+(``specs/backends/database.md``, Fence continuity).
 """
 
 from __future__ import annotations
@@ -47,10 +49,15 @@ class Lock(models.Model):
 
 
 class FenceCounter(models.Model):
-    """The last fence handed out for one key. Never deleted."""
+    """The last fence handed out for one key; or, in the one row whose ``fence_key`` is
+    ``syncguard:floor``, the alias's fence floor. Deleted only by compaction."""
 
     fence_key = models.TextField(primary_key=True)
     fence = models.BigIntegerField(default=0)
+    #: When the key was last acquired (the time authority's ms), for compaction's
+    #: cut-off. NULL: last acquired before version 0006 recorded it (compaction stamps
+    #: the current time first), and always on the floor row.
+    acquired_at_ms = models.BigIntegerField(null=True)
     #: The key's wait queue may have tickets (PostgreSQL): only then does an acquire
     #: of the free key read the queue. Never False while it has (it may stay True
     #: after they left, until the key is next taken).

@@ -143,10 +143,14 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Give harness tests their database (servers start later, in fixtures)."""
+    """Give harness tests their database (servers start later, in fixtures). A test
+    picks its harness through the ``harness`` fixture, or through ``kind`` when it
+    builds harnesses itself (tests/test_fence_floors.py)."""
     for item in items:
         callspec = getattr(item, "callspec", None)
-        alias = HARNESS_DATABASES.get(callspec.params.get("harness")) if callspec else None
+        params = callspec.params if callspec else {}
+        kind = params.get("harness", params.get("kind"))
+        alias = HARNESS_DATABASES.get(kind) if isinstance(kind, str) else None
         if alias and item.get_closest_marker("django_db") is None:
             item.add_marker(pytest.mark.django_db(transaction=True, databases=[alias]))
 

@@ -9,6 +9,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -29,8 +30,15 @@ from django_syncguard import checks as syncguard_checks
 from django_syncguard.backends.database import DatabaseBackend
 from django_syncguard.backends.database.connections import idle_connection_is_gone
 from django_syncguard.backends.database.errors import map_database_error
+from django_syncguard.backends.database.postgresql import ACQUIRE, DELETE_IDLE
+from django_syncguard.backends.database.sql import FLOOR_KEY
 from django_syncguard.backends.database.sqlite import BLOCKED_BY_CALLER
+from django_syncguard.constants import TIME_TOLERANCE_MS
 from django_syncguard.errors import AuthFailed, RateLimited
+from django_syncguard.fence_floors import FenceState
+from django_syncguard.fencing import FENCE_MAX
+from django_syncguard.keys import fence_key_of
+from django_syncguard.waiting import WaitTicket
 from tests.support.harness import PostgresHarness, SqliteHarness
 from tests.support.servers import import_extra
 from tests.testapp.models import Account
@@ -617,3 +625,323 @@ def test_close_closes_connections_of_other_threads(pg):
     assert opened[0].connection is None
     finish.set()
     thread.join()
+
+
+# ------------------------------------------------------- fence continuity
+TTL = 60_000
+both_databases = pytest.mark.parametrize(
+    "harness_cls", [SqliteHarness, PostgresHarness], ids=["sqlite", "postgres"]
+)
+on_both = pytest.mark.django_db(transaction=True, databases=["default", "postgres"])
+
+
+def take(backend: DatabaseBackend, key: str) -> int:
+    """Acquire and release ``key``; its fence as an int."""
+    result = backend.acquire(key, TTL)
+    assert result.ok, result
+    assert backend.release(result.lock_id).ok is True
+    return int(result.fence)
+
+
+def counters(backend: DatabaseBackend) -> dict[str, tuple[int, bool]]:
+    """Every row of syncguard_fence_counters: fence, and whether it has an acquisition
+    time."""
+    with backend.connection().cursor() as cursor:
+        cursor.execute("SELECT fence_key, fence, acquired_at_ms FROM syncguard_fence_counters")
+        return {key: (int(fence), at is not None) for key, fence, at in cursor.fetchall()}
+
+
+def test_no_key_can_have_the_floor_rows_name():
+    # A fence key is "fence:" + storage key, or, when that would be over 1700 bytes,
+    # the bare 22-character base64url hash (no colon): never "syncguard:floor".
+    for key in ("syncguard:floor", "floor", ":floor", "fence:syncguard:floor", "x" * 512):
+        assert DatabaseBackend.storage_keys(key).fence_key == f"fence:{key}"
+    for size in (1694, 1695, 1700, 1701):
+        fence_key = fence_key_of("", "k" * size, 1700, 0)
+        if size < 1695:
+            assert fence_key == "fence:" + "k" * size
+        else:
+            assert len(fence_key) == 22 and ":" not in fence_key
+    assert FLOOR_KEY == "syncguard:floor"
+
+
+@both_databases
+@on_both
+def test_the_floor_row_is_never_a_counter(harness_cls):
+    h = harness_cls()
+    try:
+        backend = h.backend
+        assert backend.raise_fence_floor(50) == 50
+        assert take(backend, "a") == 51
+        h.advance(10_000)
+        assert counters(backend) == {"syncguard:floor": (50, False), "fence:a": (51, True)}
+
+        idle, cursor = backend._idle_counters(backend.now_ms(), None, 10, stamp=True)
+        assert [(c.name, c.fence) for c in idle] == [("fence:a", 51)] and cursor is None
+        assert backend.fence_state() == FenceState(backend.alias, "counter", 50, 51)
+        assert sum(backend.compact_fences(idle_ms=5_000)) == 1
+
+        # Raised by compaction to the fence it deleted; never stamped, listed or deleted.
+        assert counters(backend) == {"syncguard:floor": (51, False)}
+        assert backend._idle_counters(backend.now_ms(), None, 10, stamp=True) == ([], None)
+        assert backend.fence_state() == FenceState(backend.alias, "counter", 51, 0)
+        assert sum(backend.compact_fences(idle_ms=0)) == 0
+        assert take(backend, "a") == 52
+    finally:
+        h.close()
+
+
+@both_databases
+@on_both
+def test_a_counter_with_a_hashed_fence_key_is_never_compacted(harness_cls):
+    # Its key's lock row cannot be found from the hash (specs/backends/database.md,
+    # Fence continuity); no key of 512 bytes or less makes one.
+    h = harness_cls()
+    try:
+        hashed = fence_key_of("", "k" * 1696, 1700, 0)
+        h.execute(
+            "INSERT INTO syncguard_fence_counters (fence_key, fence, acquired_at_ms) "
+            "VALUES (%s, 7, %s)",
+            [hashed, h.now_ms()],
+        )
+        h.advance(10_000)
+        assert list(h.backend.compact_fences(idle_ms=5_000, dry_run=True)) == [0]
+        assert sum(h.backend.compact_fences(idle_ms=5_000)) == 0
+        assert counters(h.backend) == {hashed: (7, True)}
+        assert h.backend.fence_state().highest == 7
+    finally:
+        h.close()
+
+
+@both_databases
+@on_both
+def test_a_counter_whose_key_has_a_waiter_is_kept(harness_cls):
+    h = harness_cls()
+    try:
+        backend = h.backend
+        held = backend.acquire("queued", TTL)
+        ticket = WaitTicket(generate_lock_id(), 60_000)
+        assert backend.acquire("queued", TTL, ticket=ticket).queue_position == 0
+        assert backend.release(held.lock_id).ok
+        h.advance(10_000)  # the counter is old, the ticket still live
+
+        assert sum(backend.compact_fences(idle_ms=5_000)) == 0
+
+        taken = backend.acquire("queued", TTL, ticket=ticket)  # the waiter's turn
+        assert taken.fence == "000000000000002"
+        assert backend.release(taken.lock_id).ok
+        h.advance(10_000)
+        assert sum(backend.compact_fences(idle_ms=5_000)) == 1
+        assert take(backend, "queued") == 3
+    finally:
+        h.close()
+
+
+def state(backend: DatabaseBackend) -> tuple[str, int, int]:
+    fence_state = backend.fence_state()
+    return fence_state.mode, fence_state.floor, fence_state.highest
+
+
+def fence_script(h: SqliteHarness | PostgresHarness) -> list[Any]:
+    """One sequence of acquisitions, floor raises and compactions; what each step
+    answered (acquisition times only as present or not: the clocks differ)."""
+    backend = h.backend
+    seen: list[Any] = [take(backend, "s:a"), take(backend, "s:a"), take(backend, "s:b")]
+    h.set_fence("s:legacy", 30)  # no acquisition time, as before 0006
+    seen += [backend.raise_fence_floor(5), backend.raise_fence_floor(2), take(backend, "s:c")]
+    held = backend.acquire("s:held", TTL)
+    seen.append(int(held.fence))
+    h.advance(10_000)
+    seen.append(take(backend, "s:recent"))
+    seen.append(list(backend.compact_fences(idle_ms=5_000, dry_run=True)))
+    seen.append(list(backend.compact_fences(idle_ms=5_000, batch_size=2)))
+    seen += [state(backend), counters(backend)]
+    h.advance(10_000)
+    seen.append(list(backend.compact_fences(idle_ms=5_000, batch_size=2)))
+    seen += [take(backend, "s:a"), take(backend, "s:legacy"), take(backend, "s:recent")]
+    assert backend.release(held.lock_id).ok
+    seen += [take(backend, "s:held"), state(backend), counters(backend)]
+    return seen
+
+
+@on_both
+def test_postgres_and_sqlite_answer_a_fence_script_alike():
+    expected = [
+        1,
+        2,
+        1,
+        5,
+        5,
+        6,  # above the floor
+        6,
+        6,
+        [3],  # s:a, s:b, s:c (legacy: no time; held: live; recent: new)
+        [2, 1],  # pages [a, b] and [c, held]; [legacy (stamped), recent] has none
+        ("counter", 6, 30),
+        {
+            "fence:s:held": (6, True),
+            "fence:s:legacy": (30, True),  # stamped
+            "fence:s:recent": (6, True),
+            "syncguard:floor": (6, False),
+        },
+        [1, 1],  # legacy (floor to 30), then recent; held is still live
+        31,
+        31,
+        31,
+        31,  # s:held's counter is 6, the floor 30
+        ("counter", 30, 31),
+        {
+            "fence:s:a": (31, True),
+            "fence:s:held": (31, True),
+            "fence:s:legacy": (31, True),
+            "fence:s:recent": (31, True),
+            "syncguard:floor": (30, False),
+        },
+    ]
+    answers = {}
+    for harness_cls in (SqliteHarness, PostgresHarness):
+        h = harness_cls()
+        try:
+            answers[h.name] = fence_script(h)
+        finally:
+            h.close()
+    assert answers == {"sqlite": expected, "postgres": expected}
+
+
+def blocked_by(backend: DatabaseBackend, pid: int) -> list[str]:
+    """Wait until a statement waits for a lock that the PostgreSQL session ``pid``
+    holds; the statements waiting. (The server shows it; nothing else can.)"""
+    deadline = time.monotonic() + 10
+    with backend.connection().cursor() as cursor:
+        while True:
+            cursor.execute(
+                "SELECT query FROM pg_stat_activity WHERE %s = ANY(pg_blocking_pids(pid))",
+                [pid],
+            )
+            waiting = [row[0] for row in cursor.fetchall()]
+            if waiting or time.monotonic() > deadline:
+                return waiting
+            time.sleep(0.005)
+
+
+@on_postgres
+def test_a_counter_deleted_under_an_acquire_never_repeats_a_fence(pg):
+    # Compaction's delete runs without the key's advisory lock, so it can remove the
+    # counter that syncguard_acquire has read and not yet written. Here the delete
+    # (compaction's own statement) holds the row in an open transaction while an
+    # acquire reaches its counter write, and commits only then. The acquire's upsert
+    # inserts the counter again; an UPDATE would have written nothing and the next
+    # acquire, starting from the floor (1), would hand out 2 again.
+    backend = pg.backend
+    assert take(backend, "raced") == 1
+    pg.advance(10_000)
+    cutoff = backend.now_ms() - 5_000
+    assert backend.raise_fence_floor(1) == 1  # compaction's first step
+    with ThreadPoolExecutor(1) as pool:
+        with transaction.atomic(using="postgres"), connections["postgres"].cursor() as cursor:
+            cursor.execute("SELECT pg_backend_pid()")
+            (pid,) = cursor.fetchone()
+            cursor.execute(DELETE_IDLE, [["fence:raced"], [1], cutoff, TIME_TOLERANCE_MS])
+            assert cursor.rowcount == 1
+            acquiring = pool.submit(backend.acquire, "raced", TTL)
+            waiting = blocked_by(backend, pid)
+            assert len(waiting) == 1 and "syncguard_acquire" in waiting[0]
+        acquired = acquiring.result(timeout=10)
+    assert acquired.fence == "000000000000002"
+    assert backend.release(acquired.lock_id).ok
+    assert take(backend, "raced") == 3
+    assert counters(backend) == {"syncguard:floor": (1, False), "fence:raced": (3, True)}
+
+
+@on_postgres
+def test_compaction_waits_for_an_acquire_under_way_and_keeps_its_counter(pg):
+    # The other order: an acquire has written the counter and not committed. The
+    # page read the counter as it was (idle), the delete waits for the acquire's row
+    # lock, then finds the fence moved and leaves the row.
+    backend = pg.backend
+    assert take(backend, "busy") == 1
+    pg.advance(10_000)
+    keys = DatabaseBackend.storage_keys("busy")
+    lock_id = generate_lock_id()
+    params = [keys.storage_key, keys.fence_key, lock_id, TTL, None, FENCE_MAX]
+    params += [TIME_TOLERANCE_MS, None, None, False]
+    with ThreadPoolExecutor(1) as pool:
+        with transaction.atomic(using="postgres"), connections["postgres"].cursor() as cursor:
+            cursor.execute("SELECT pg_backend_pid()")
+            (pid,) = cursor.fetchone()
+            cursor.execute(ACQUIRE, params)
+            assert cursor.fetchone()[:2] == (1, 2)
+            compacting = pool.submit(lambda: sum(backend.compact_fences(idle_ms=5_000)))
+            waiting = blocked_by(backend, pid)
+            assert len(waiting) == 1 and "DELETE FROM syncguard_fence_counters" in waiting[0]
+        assert compacting.result(timeout=10) == 0
+    assert backend.fence_state() == FenceState(backend.alias, "counter", 1, 2)
+    assert backend.release(lock_id).ok
+    assert take(backend, "busy") == 3
+
+
+@on_postgres
+def test_the_acquire_of_code_before_0006_applies_the_floor(pg):
+    # A rolling deploy: processes still on 0005's code call the nine- (and 0002's
+    # seven-) argument function, which 0006 made a wrapper of the new one in counter
+    # mode: above the floor, counter upserted, acquisition time recorded.
+    backend = pg.backend
+    assert backend.raise_fence_floor(40) == 40
+    with backend.connection().cursor() as cursor:
+        cursor.execute(
+            "SELECT * FROM syncguard_acquire('old9', 'fence:old9', %s, 1000, NULL, %s, 1000, "
+            "NULL, NULL)",
+            [generate_lock_id(), FENCE_MAX],
+        )
+        assert cursor.fetchone()[:2] == (1, 41)
+        cursor.execute(
+            "SELECT * FROM syncguard_acquire('old7', 'fence:old7', %s, 1000, NULL, %s, 1000)",
+            [generate_lock_id(), FENCE_MAX],
+        )
+        assert cursor.fetchone()[:2] == (1, 41)
+    assert counters(backend) == {
+        "syncguard:floor": (40, False),
+        "fence:old9": (41, True),
+        "fence:old7": (41, True),
+    }
+
+
+@pytest.mark.slow
+@both_databases
+@on_both
+def test_fences_keep_increasing_while_compaction_runs_flat_out(harness_cls):
+    # Compaction with no idle time deletes every released counter it meets, in
+    # batches, while three threads take and release their own key: on PostgreSQL its
+    # statements fall anywhere inside the acquires (no advisory lock).
+    h = harness_cls()
+    stop = threading.Event()
+
+    def compact() -> int:
+        deleted = 0
+        while not stop.is_set():
+            deleted += sum(h.backend.compact_fences(idle_ms=0, batch_size=2))
+        return deleted
+
+    def hammer(key: str) -> list[int]:
+        fences = []
+        for _ in range(150):
+            result = h.backend.acquire(key, TTL)
+            assert result.ok, result
+            fences.append(int(result.fence))
+            assert h.backend.release(result.lock_id).ok
+        return fences
+
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            compacting = pool.submit(compact)
+            taking = {key: pool.submit(hammer, key) for key in ("flat:1", "flat:2", "flat:3")}
+            try:
+                seen = {key: future.result(timeout=120) for key, future in taking.items()}
+            finally:
+                stop.set()
+            deleted = compacting.result(timeout=60)
+        for key, fences in seen.items():
+            assert fences == sorted(set(fences)), f"{key} went back or repeated: {fences}"
+        assert deleted > 0
+    finally:
+        h.close()

@@ -39,6 +39,9 @@ RELEASED = {
     "0005/release.sql": "b34f47384e2eef5a6885a3455ed8c06db7ae4fe0f8f6fce693d310c328a387ae",
     "0005/sequence.sql": "cbaf4fe7eec7049a496b32820e05bd61630d7c1e3c48ccfe05158fd2eab8ce0b",
     "0005/withdraw.sql": "0cc2b340d788cd7f4b6dd5f4f7d8b8e01bfacbb1a40b03a7d7c0e75dd7f3759b",
+    "0006/acquire.sql": "f57449f9adcf48856aa2c8e518103c123a87bd8942d86124ed4e41b39ff8205d",
+    "0006/acquire_legacy.sql": "3ccff6962080a8dc715dc694d7208841cfb2f4d22ad7e24b453fad697698dc9e",
+    "0006/drop.sql": "6ce3116e95244b84d5b6f4c1bebf4e9a70a80a7ca63eb70263191806c6151892",
 }
 
 #: The SHA-256 of what each migration runs, forward and reverse, placeholders expanded:
@@ -55,6 +58,12 @@ MIGRATIONS = {
     ),
     ("0005_postgres_queue_functions", "REVERSE"): (
         "9aca55543d6fc6fef4935e3c63ea8b0471c1a83c51231fa4a1974868f747e534"
+    ),
+    ("0006_fence_continuity", "FORWARD"): (
+        "226a31a4e78fa46baf72fde1af63327ee06cb64ea4f41c7938609510e3b0b3b6"
+    ),
+    ("0006_fence_continuity", "REVERSE"): (
+        "411866700be414918c4543852edeb2935a6eff5fe8494732373c5847c7303f85"
     ),
 }
 
@@ -113,6 +122,19 @@ def test_load_drops_the_header_and_expands_placeholders_inline() -> None:
     assert acquire.count("lpad(o_fence::text, 15, '0')") == 2
 
 
+def test_the_0006_acquire_reads_the_floor_first_and_upserts_every_counter_write() -> None:
+    acquire = sql.load("0006", "acquire")
+    assert acquire.count("clock_timestamp()") == 1
+    # The floor comes with the counter, in the function's first statement.
+    assert "LEFT JOIN syncguard_fence_counters f ON f.fence_key = 'syncguard:floor';" in acquire
+    assert "o_fence := greatest(coalesce(v_last, 0), coalesce(v_floor, 0)) + 1;" in acquire
+    assert "o_fence := greatest(o_fence, v_now);" in acquire  # clock mode
+    # Compaction may delete the counter between the read and the write: never an UPDATE.
+    assert "UPDATE syncguard_fence_counters" not in acquire
+    assert acquire.count("INSERT INTO syncguard_fence_counters") == 2
+    assert acquire.count("ON CONFLICT (fence_key) DO UPDATE SET") == 2
+
+
 def test_load_concatenates_files_in_the_order_given() -> None:
     both = sql.load("0002", "release", "extend")
     assert both == sql.load("0002", "release") + "\n" + sql.load("0002", "extend")
@@ -133,8 +155,10 @@ def test_placeholders_are_the_values_the_python_side_uses() -> None:
         "now_ms": "floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint",
         "lock_class": "1937337447",
         "fence_digits": "15",
+        "floor_key": "'syncguard:floor'",
     }
     assert sql.PLACEHOLDERS["fence_digits"] == str(FENCE_DIGITS)
+    assert sql.PLACEHOLDERS["floor_key"] == f"'{sql.FLOOR_KEY}'"
     assert f"SELECT {sql.NOW_MS}" == NOW
     # Cleanup tries the advisory lock that acquire takes: the same class.
     assert "pg_try_advisory_xact_lock(1937337447, hashtext(c.key))" in DELETE_EXPIRED

@@ -565,6 +565,18 @@ def test_the_reverse_migration_restores_the_previous_functions(
 
 def migrate_back_and_forth(alias: str) -> None:
     call_command("migrate", "django_syncguard", database=alias, verbosity=0)
+    # 0006: the ten-argument acquire; the nine-argument one became its wrapper.
+    assert functions(alias) == {
+        ("syncguard_acquire", 7, "sql"),
+        ("syncguard_acquire", 9, "sql"),
+        ("syncguard_acquire", 10, "plpgsql"),
+        ("syncguard_channel", 1, "sql"),
+        ("syncguard_extend", 3, "plpgsql"),
+        ("syncguard_release", 2, "plpgsql"),
+        ("syncguard_withdraw", 3, "plpgsql"),
+    }
+    assert "acquired_at_ms" in counter_columns(alias)
+    call_command("migrate", "django_syncguard", "0005", database=alias, verbosity=0)
     assert functions(alias) == {
         ("syncguard_acquire", 7, "sql"),
         ("syncguard_acquire", 9, "plpgsql"),
@@ -573,6 +585,7 @@ def migrate_back_and_forth(alias: str) -> None:
         ("syncguard_release", 2, "plpgsql"),
         ("syncguard_withdraw", 3, "plpgsql"),
     }
+    assert "acquired_at_ms" not in counter_columns(alias)
     assert "pg_notify" in release_source(alias)
     call_command("migrate", "django_syncguard", "0003", database=alias, verbosity=0)
     assert functions(alias) == {
@@ -604,6 +617,15 @@ def functions(alias: str) -> set[tuple[str, int, str]]:
             "WHERE p.proname LIKE 'syncguard%%' AND pg_function_is_visible(p.oid)"
         )
         return set(cursor.fetchall())
+
+
+def counter_columns(alias: str) -> set[str]:
+    with connections[alias].cursor() as cursor:
+        cursor.execute(
+            "SELECT column_name FROM information_schema.columns "
+            "WHERE table_name = 'syncguard_fence_counters' AND table_schema = current_schema()"
+        )
+        return {row[0] for row in cursor.fetchall()}
 
 
 def release_source(alias: str) -> str:

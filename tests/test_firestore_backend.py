@@ -30,7 +30,9 @@ from django_syncguard.backends.firestore.client import (
     document_name,
     rpc_metadata,
 )
+from django_syncguard.backends.firestore.documents import FLOOR_ID, counter_id, lock_document_of
 from django_syncguard.handler import InvalidBackendError, LockHandler
+from django_syncguard.keys import hash_storage_key
 from tests.support.harness import FirestoreHarness
 from tests.support.servers import import_extra
 
@@ -48,6 +50,11 @@ def lock_docs(harness: FirestoreHarness) -> dict[str, dict]:
     return {snap.id: snap.to_dict() for snap in coll.stream()}
 
 
+def fence_docs(harness: FirestoreHarness) -> dict[str, dict]:
+    coll = harness.firestore.client.collection(harness.firestore.fence_collection)
+    return {snap.id: snap.to_dict() for snap in coll.stream()}
+
+
 # --------------------------------------------------------------- documents
 def test_layout_lock_document_and_fence_counter(fh):
     backend = fh.firestore
@@ -60,10 +67,31 @@ def test_layout_lock_document_and_fence_counter(fh):
     }
     assert doc["expiresAtMs"] - doc["acquiredAtMs"] == 60_000
     counter = backend.client.collection(backend.fence_collection).document("fence:invoice:42").get()
-    assert counter.to_dict() == {"fence": "000000000000001"}
+    # The counter also keeps when its last fence was handed out (for compaction).
+    stored = {"fence": "000000000000001", "acquiredAtMs": doc["acquiredAtMs"]}
+    assert counter.to_dict() == stored
     backend.release(result.lock_id)
     assert lock_docs(fh) == {}
-    assert counter.reference.get().to_dict() == {"fence": "000000000000001"}  # kept
+    assert counter.reference.get().to_dict() == stored  # kept
+
+
+def test_layout_fence_floor_document(fh):
+    backend = fh.firestore
+    assert backend.raise_fence_floor(41) == 41
+    assert fence_docs(fh) == {"syncguard:floor": {"floor": "000000000000041"}}
+    assert backend.acquire("floored", 60_000).fence == "000000000000042"
+    assert set(fence_docs(fh)) == {"syncguard:floor", "fence:floored"}
+
+
+@pytest.mark.parametrize("key", ["invoice:42", "a/b", "x" * 512])
+def test_a_counter_id_maps_back_to_its_lock_document_and_the_floor_id_to_none(key):
+    lock_doc = document_id(key)
+    assert counter_id(lock_doc) == f"fence:{lock_doc}"
+    assert lock_document_of(counter_id(lock_doc)) == lock_doc
+    # The floor's id has a colon but not the counters' "fence:" head: no counter's.
+    assert lock_document_of(FLOOR_ID) is None
+    # A hashed counter id (none is made while keys are at most 512 bytes) is skipped.
+    assert lock_document_of(hash_storage_key("", f"fence:{lock_doc}")) is None
 
 
 @pytest.mark.parametrize("key", ["invoice/42", "a/b/c", ".", "..", "__reserved__"])
@@ -304,6 +332,138 @@ def test_eight_threads_on_one_key_get_ok_or_locked_never_an_error(fh):
     assert len(outcomes) == 120
     assert set(outcomes) <= {"ok", "locked"}
     assert outcomes.count("ok") >= 1
+
+
+# --------------------------------------------------------- fence continuity
+def take(backend: FirestoreBackend, key: str) -> str:
+    result = backend.acquire(key, 60_000)
+    assert result.ok and backend.release(result.lock_id).ok
+    return result.fence
+
+
+async def test_the_async_acquire_reads_the_floor_too(fh):
+    backend = fh.firestore
+    assert backend.raise_fence_floor(30) == 30
+    result = await backend.aacquire("async-floored", 60_000)
+    assert result.fence == "000000000000031"
+    assert fence_docs(fh)["fence:async-floored"] == {
+        "fence": "000000000000031",
+        "acquiredAtMs": lock_docs(fh)["async-floored"]["acquiredAtMs"],
+    }
+    await backend.clients.aclose()
+
+
+def test_a_counter_compacted_between_an_acquires_read_and_write(fh, monkeypatch):
+    # The acquire reads the counter (8), compaction (another process) raises the floor
+    # to 50 and deletes it, then the acquire's guarded counter write fails: it reads
+    # again, finds no counter and the raised floor, and goes on above the floor.
+    backend = fh.firestore
+    fh.set_fence("raced", 7)
+    assert take(backend, "raced") == "000000000000008"
+    fh.set_fence("other", 49)
+    assert take(backend, "other") == "000000000000050"
+    fh.advance(10_000)
+    compactor = elsewhere(fh)
+    client = backend.client
+    get_all = client.get_all
+    reads: list[dict[str, str | None]] = []
+
+    def read_then_compact(refs, *args, **kwargs):
+        snaps = list(get_all(refs, *args, **kwargs))
+        reads.append({s.id: s.to_dict() for s in snaps if s.exists})
+        if len(reads) == 1:
+            assert sum(compactor.compact_fences(idle_ms=5_000)) == 2
+        return snaps
+
+    monkeypatch.setattr(client, "get_all", read_then_compact)
+    try:
+        result = backend.acquire("raced", 60_000)
+    finally:
+        compactor.close()
+
+    acquired_at = reads[0]["fence:raced"]["acquiredAtMs"]
+    assert reads == [
+        {"fence:raced": {"fence": "000000000000008", "acquiredAtMs": acquired_at}},
+        {"syncguard:floor": {"floor": "000000000000050"}},
+    ]
+    assert result.fence == "000000000000051"
+    assert fence_docs(fh)["fence:raced"]["fence"] == "000000000000051"
+    assert backend.fence_state().floor == 50
+
+
+def test_an_acquire_between_compactions_read_and_delete_keeps_its_counter(fh, monkeypatch):
+    # Compaction finds the counter idle and reads the lock document again; an acquire
+    # (another process) writes the counter before the delete, whose guard then fails.
+    backend = fh.firestore
+    assert take(backend, "busy") == "000000000000001"
+    fh.advance(10_000)
+    compactor = elsewhere(fh)
+    client = compactor.client
+    get_all = client.get_all
+    reads: list[list[str]] = []
+    acquired = []
+
+    def read_then_acquire(refs, *args, **kwargs):
+        snaps = list(get_all(refs, *args, **kwargs))
+        reads.append([s.id for s in snaps])
+        if len(reads) == 2:  # the delete's second look at the lock documents
+            acquired.append(backend.acquire("busy", 60_000))
+        return snaps
+
+    monkeypatch.setattr(client, "get_all", read_then_acquire)
+    try:
+        assert list(compactor.compact_fences(idle_ms=5_000)) == [0]
+    finally:
+        compactor.close()
+
+    assert reads == [["busy"], ["busy"]]  # the page's look, then the delete's
+    assert [r.fence for r in acquired] == ["000000000000002"]
+    assert fence_docs(fh)["fence:busy"]["fence"] == "000000000000002"  # kept
+    assert backend.fence_state().floor == 1  # raised before the delete was tried
+    assert backend.release(acquired[0].lock_id).ok
+    assert take(backend, "busy") == "000000000000003"
+
+
+def test_one_get_all_shows_every_commit_made_before_one_it_shows(fh):
+    # The acquire's argument (specs/backends/firestore.md, Fence continuity): when its
+    # get_all shows compaction's delete of a counter, it shows the floor that compaction
+    # raised, in a commit acknowledged before the delete was sent. Here a writer sets
+    # d00 .. d19 to n, one commit each, round after round, while get_all reads them
+    # (from d19 down, and a missing document): in every read, the documents written
+    # earlier hold the newer value or the same, and all carry one read_time.
+    coll = fh.firestore.client.collection(fh.firestore.fence_collection)
+    refs = [coll.document(f"d{i:02d}") for i in range(20)]
+    writer = elsewhere(fh)
+    stop = threading.Event()
+
+    def write() -> None:
+        wcoll = writer.client.collection(fh.firestore.fence_collection)
+        n = 0
+        while not stop.is_set():
+            n += 1
+            for i in range(20):
+                wcoll.document(f"d{i:02d}").set({"n": n})
+
+    first = fh.firestore.client.batch()
+    for ref in refs:
+        first.set(ref, {"n": 0})
+    first.commit()
+    thread = threading.Thread(target=write)
+    thread.start()
+    mid_round = 0
+    try:
+        for _ in range(50):
+            snaps = list(fh.firestore.client.get_all([*refs[::-1], coll.document("missing")]))
+            assert len(snaps) == 21
+            assert len({s.read_time for s in snaps}) == 1
+            values = [s.get("n") for s in sorted(snaps, key=lambda s: s.id) if s.exists]
+            assert values == sorted(values, reverse=True) and values[0] - values[-1] <= 1
+            mid_round += values[0] != values[-1]
+    finally:
+        stop.set()
+        thread.join()
+        writer.close()
+    assert mid_round > 0  # reads did land between the commits of a round
 
 
 # -------------------------------------------------------------------- cleanup

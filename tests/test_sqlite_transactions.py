@@ -135,18 +135,25 @@ def test_a_held_key_is_answered_without_the_write_lock(lite, writer):
 
 
 def test_a_key_taken_while_waiting_for_the_write_lock_is_answered_without_it(lite, writer):
-    trying = threading.Event()
+    trying, committed = threading.Event(), threading.Event()
     statements: list[str] = []
 
     def trace(sql):
         statements.append(sql)
         if sql == "BEGIN IMMEDIATE":
             trying.set()
+        elif trying.is_set():
+            # The caller's next statement (its read of the key) runs after the other
+            # writer's commit: otherwise that commit could land between the read and
+            # the next BEGIN IMMEDIATE, and the caller would rightly take the write
+            # lock, find the key held and roll back (seen once on a loaded machine).
+            assert committed.wait(10)
 
     def take_it_once_the_caller_waits():
         assert trying.wait(10)
         take_key(writer, "account:1")
         writer.execute("COMMIT")
+        committed.set()
 
     private = lite.connection()
     private.ensure_connection()

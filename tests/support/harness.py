@@ -100,6 +100,10 @@ class DatabaseHarness(Harness):
         )
         # Wait tickets too: a waiter that stopped checking in loses its place.
         self.execute("UPDATE syncguard_waiters SET live_until_ms = live_until_ms - %s", [ms])
+        # And the counters' last acquisitions, for compaction (NULL stays NULL).
+        self.execute(
+            "UPDATE syncguard_fence_counters SET acquired_at_ms = acquired_at_ms - %s", [ms]
+        )
 
     def set_fence(self, key: str, value: int) -> None:
         assert isinstance(self.backend, DatabaseBackend)
@@ -215,8 +219,15 @@ class FirestoreHarness(Harness):
                     for ticket_id, entry in data["waiters"].items()
                 }
             snap.reference.update(aged)
+        # Fence counters' last acquisition, for compaction (the floor has none; a
+        # counter kept by a version before acquisition times has none either).
+        for snap in self.firestore.client.collection(self.firestore.fence_collection).stream():
+            acquired = snap.to_dict().get("acquiredAtMs")
+            if acquired is not None:
+                snap.reference.update({"acquiredAtMs": acquired - ms})
 
     def set_fence(self, key: str, value: int) -> None:
+        # Without an acquisition time: a counter as kept before compaction existed.
         _, fence_ref = self.firestore._refs(normalize_and_validate_key(key))
         fence_ref.set({"fence": f"{value:015d}"})
 

@@ -14,6 +14,7 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from ...cancellation import CancelToken, check_cancel
 from ...constants import BACKEND_LIMITS, RESERVE_BYTES, TIME_TOLERANCE_MS
 from ...errors import InvalidArgument
+from ...fence_floors import IdleCounter
 from ...fencing import fence_overflow_error, format_fence
 from ...keys import derived, fence_key_of, generate_lock_id, make_storage_key
 from ...results import (
@@ -190,7 +191,12 @@ class DatabaseBackend(BatchedCleanup, BaseLockBackend):
         lock_id = generate_lock_id()
         check_cancelled = partial(check_cancel, cancel, {"key": key})
         status, fence, expires, position = self.ops.acquire(
-            self.storage_keys(key), lock_id, ttl_ms, check_cancelled, ticket
+            self.storage_keys(key),
+            lock_id,
+            ttl_ms,
+            check_cancelled,
+            ticket,
+            clock=self.fence_mode == "clock",
         )
         if status == FENCE_OVERFLOW:
             raise fence_overflow_error(key)
@@ -246,6 +252,38 @@ class DatabaseBackend(BatchedCleanup, BaseLockBackend):
 
     def _delete_expired_batch(self, batch_size: int) -> int:
         return self.ops.delete_expired_batch(batch_size, self._cleanup_guard_ms)
+
+    # ------------------------------------------------------- fence continuity
+    # The floor is a row of syncguard_fence_counters (sql.FLOOR_KEY); the vendors'
+    # SQL and why compaction cannot make a fence go back: specs/backends/database.md,
+    # Fence continuity.
+    def _fence_floor(self) -> int:
+        return self.ops.fence_floor()
+
+    def _raise_fence_floor(self, fence: int) -> int:
+        return self.ops.raise_fence_floor(fence)
+
+    def _highest_fence(self) -> int:
+        return self.ops.highest_fence()
+
+    def _idle_counters(
+        self, cutoff_ms: int, cursor: str | None, limit: int, *, stamp: bool
+    ) -> tuple[list[IdleCounter], str | None]:
+        """Keyset pagination on the fence key, as ``_list_locks`` on the lock key: the
+        cursor is the last fence key looked at; one row more than ``limit`` tells
+        there is a next page. ``guard`` is the acquisition time as read."""
+        rows = self.ops.idle_page(cursor or "", cutoff_ms, limit, stamp)
+        idle = [
+            IdleCounter(str(name), int(fence), None if acquired is None else int(acquired))
+            for name, fence, acquired, is_idle in rows[:limit]
+            if is_idle
+        ]
+        return idle, (str(rows[limit - 1][0]) if len(rows) > limit else None)
+
+    def _delete_idle_counters(self, counters: list[IdleCounter], cutoff_ms: int) -> int:
+        if not counters:
+            return 0
+        return self.ops.delete_idle([(c.name, c.fence) for c in counters], cutoff_ms)
 
     # Async: the private connections are per thread, so any worker thread will do.
     async def _in_thread(self, fn: Callable[..., T], *args: Any) -> T:

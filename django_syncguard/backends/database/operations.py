@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, Protocol, TypeAlias
 from ...liveness import Clock, system_clock_ms
 from ...results import TimeAuthority
 from ...waiting import WaitTicket
+from .sql import FLOOR_KEY
 
 if TYPE_CHECKING:
     from .wakeups import DatabaseWakeUps
@@ -52,6 +53,31 @@ LIST_PAGE = (
     "ORDER BY key LIMIT %s"
 )
 COUNT_EXPIRED = "SELECT count(*) FROM syncguard_locks WHERE expires_at_ms < %s"
+
+# Fence continuity (django_syncguard.fence_floors; specs/backends/database.md, Fence
+# continuity). The floor is the counter row FLOOR_KEY (see sql/__init__.py for why no
+# key's counter can have that name); every statement over counters leaves it out.
+FENCE_FLOOR = "SELECT fence FROM syncguard_fence_counters WHERE fence_key = %s"
+HIGHEST_FENCE = "SELECT coalesce(max(fence), 0) FROM syncguard_fence_counters WHERE fence_key <> %s"
+
+#: What a fence key starts with when it is not hashed (``keys.fence_key_of``): the
+#: rest is the storage key of the key's lock row. A hashed fence key (a storage key of
+#: 1695 to 1700 bytes, which the 512-byte keys of today never make) cannot be mapped
+#: back to its lock row, so compaction never deletes such a counter.
+FENCE_PREFIX = "fence:"
+
+#: The condition under which compaction may delete the counter row ``{c}``: a fence
+#: key it can map to a lock row, no waiters flag, last acquired before the cut-off
+#: (first parameter; a NULL time is never before it), and no live lock on the key (a
+#: lock row expiring after ``{live_after}``, an SQL expression that may take
+#: parameters of its own). SQLite adds its queue's condition.
+IDLE_COUNTER = (
+    f"substr({{c}}.fence_key, 1, {len(FENCE_PREFIX)}) = '{FENCE_PREFIX}' "
+    "AND NOT {c}.waiters AND {c}.acquired_at_ms < %s "
+    "AND NOT EXISTS (SELECT 1 FROM syncguard_locks l "
+    f"WHERE l.key = substr({{c}}.fence_key, {len(FENCE_PREFIX) + 1}) "
+    "AND l.expires_at_ms > {live_after})"
+)
 
 
 class Runner(Protocol):
@@ -147,11 +173,16 @@ class DatabaseOperations(ABC):
         ttl_ms: int,
         check_cancel: Callable[[], None],
         ticket: WaitTicket | None = None,
+        *,
+        clock: bool,
     ) -> AcquireReply:
         """Take the lock if no live one holds it and no live waiter is ahead of
         ``ticket`` (see ``AcquireReply`` and :mod:`django_syncguard.waiting`); queue the
         ticket otherwise. ``check_cancel`` raises ``Aborted`` when the caller cancelled;
-        a vendor calls it where it can still back out without writing."""
+        a vendor calls it where it can still back out without writing. The new fence
+        is ``fence_floors.next_fence`` of the key's counter, the floor and, with
+        ``clock`` (clock mode), the time authority's clock, all read in the acquire's
+        atomic step; the counter is written with the acquisition's time."""
 
     @abstractmethod
     def release(self, lock_id: str) -> tuple[bool, bool]:
@@ -201,6 +232,34 @@ class DatabaseOperations(ABC):
     def count_expired(self, cutoff: int) -> int:
         """How many records expired before ``cutoff``."""
         return int(self.run(lambda c: fetch_value(c, COUNT_EXPIRED, [cutoff])))
+
+    # ------------------------------------------------------- fence continuity
+    def fence_floor(self) -> int:
+        """The alias's fence floor (0 when never raised)."""
+        return int(self.run(lambda c: fetch_value(c, FENCE_FLOOR, [FLOOR_KEY])) or 0)
+
+    @abstractmethod
+    def raise_fence_floor(self, fence: int) -> int:
+        """Set the floor row to the greater of itself and ``fence`` in one upsert (a
+        first raise creates it); return the floor now in force."""
+
+    def highest_fence(self) -> int:
+        """The largest fence of any key's counter (0: none), the floor row aside."""
+        return int(self.run(lambda c: fetch_value(c, HIGHEST_FENCE, [FLOOR_KEY])))
+
+    @abstractmethod
+    def idle_page(self, after: str, cutoff_ms: int, limit: int, stamp: bool) -> list[Row]:
+        """The first ``limit`` + 1 counters with a fence key after ``after`` (in key
+        order; the floor row aside) as ``(fence_key, fence, acquired_at_ms, idle)``,
+        ``idle`` true when the counter meets compaction's condition (IDLE_COUNTER) as
+        read. With ``stamp``, the first ``limit`` that have no acquisition time get the
+        current one (their row here still shows NULL, and is not idle)."""
+
+    @abstractmethod
+    def delete_idle(self, counters: list[tuple[str, int]], cutoff_ms: int) -> int:
+        """Delete each ``(fence_key, fence)`` counter whose fence is still that and that
+        is still idle (IDLE_COUNTER) at its delete, atomically per counter with respect
+        to acquires; return how many were deleted."""
 
 
 def fetch_all(cursor: Any, sql: str, params: list[Any]) -> list[Row]:

@@ -1,7 +1,7 @@
 """PostgreSQL: server time, one statement (one round trip) per operation.
 
-Acquire, release, withdraw and extend call the PL/pgSQL functions of migrations 0002
-and 0005; the other operations are single statements that read the server's clock
+Acquire, release, withdraw and extend call the PL/pgSQL functions of migrations 0002,
+0005 and 0006; the other operations are single statements that read the server's clock
 when they run. Release and withdraw wake the key's first waiter with ``NOTIFY``, which
 ``wakeups.PostgresWakeUps`` hears. ``specs/backends/database.md`` (Operations on
 PostgreSQL, Queues and wake-ups) gives the steps of each and why they are atomic.
@@ -23,26 +23,31 @@ from ...results import TimeAuthority
 from ...waiting import WaitTicket
 from .errors import map_database_error
 from .operations import (
+    IDLE_COUNTER,
     LOCK_COLUMNS,
     AcquireReply,
     DatabaseOperations,
     Row,
     StorageKeys,
     WakeUpHooks,
+    fetch_all,
     fetch_one,
     fetch_row,
     fetch_value,
     row_count,
 )
-from .sql import LOCK_CLASS, NOW_MS
+from .sql import FLOOR_KEY, LOCK_CLASS, NOW_MS, PLACEHOLDERS
 from .wakeups import DatabaseWakeUps, PostgresTransport, PostgresWakeUps, delivers_notifications
 
 NOW = f"SELECT {NOW_MS}"
+#: FLOOR_KEY as an SQL literal, as the functions have it.
+FLOOR = PLACEHOLDERS["floor_key"]
 
-# Functions installed by migrations 0002 and 0005 (their SQL: sql/0002/, sql/0005/).
-# Acquire's status is LOCKED, ACQUIRED or FENCE_OVERFLOW (with the ticket's queue
-# position); release's and extend's: 1 = done, 2 = expired, 0 = not found.
-ACQUIRE = "SELECT * FROM syncguard_acquire(%s, %s, %s, %s, %s, %s, %s, %s, %s)"
+# Functions installed by migrations 0002, 0005 and 0006 (their SQL: sql/0002/,
+# sql/0005/, sql/0006/). Acquire's status is LOCKED, ACQUIRED or FENCE_OVERFLOW (with
+# the ticket's queue position); release's and extend's: 1 = done, 2 = expired, 0 = not
+# found.
+ACQUIRE = "SELECT * FROM syncguard_acquire(%s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
 RELEASE = "SELECT syncguard_release(%s, %s)"
 EXTEND = "SELECT * FROM syncguard_extend(%s, %s, %s)"
 WITHDRAW = "SELECT syncguard_withdraw(%s, %s, %s)"
@@ -102,6 +107,55 @@ DELETE FROM syncguard_locks l USING t
 WHERE l.key IN (SELECT key FROM doomed) AND l.expires_at_ms < t.cutoff
 """
 
+# Fence continuity (specs/backends/database.md, Fence continuity). The floor is raised
+# in one upsert: two raises, or a raise and compaction's, serialise on the row.
+RAISE_FLOOR = (
+    "INSERT INTO syncguard_fence_counters AS c (fence_key, fence) VALUES (%s, %s) "
+    "ON CONFLICT (fence_key) DO UPDATE SET fence = greatest(c.fence, excluded.fence) "
+    "RETURNING c.fence"
+)
+
+# One page of compaction: the counters after the cursor, in key order (keyset
+# pagination on the primary key), each with whether it is idle as read; and, with the
+# stamp flag, the page's counters without an acquisition time get the server's now
+# (a data-modifying CTE: same statement, same snapshot, so the page shows them as they
+# were, NULL, not idle). Parameters: cursor, limit + 1, stamp, limit, cut-off,
+# tolerance.
+IDLE_PAGE = f"""
+WITH t AS (SELECT {NOW_MS} AS now_ms),
+page AS (
+    SELECT c.fence_key, c.fence, c.acquired_at_ms, c.waiters
+    FROM syncguard_fence_counters c
+    WHERE c.fence_key > %s AND c.fence_key <> {FLOOR}
+    ORDER BY c.fence_key LIMIT %s
+),
+stamped AS (
+    UPDATE syncguard_fence_counters c SET acquired_at_ms = t.now_ms FROM t
+    WHERE %s AND c.acquired_at_ms IS NULL
+      AND c.fence_key IN (SELECT p.fence_key FROM page p ORDER BY p.fence_key LIMIT %s)
+)
+SELECT p.fence_key, p.fence, p.acquired_at_ms,
+       coalesce({IDLE_COUNTER.format(c="p", live_after="t.now_ms - %s")}, false)
+FROM page p, t
+ORDER BY p.fence_key
+"""
+
+# Deletes one batch of compaction: each counter still at the fence the page read and
+# still idle, judged on the row being deleted. An acquire that wrote the counter first
+# holds its row lock: the DELETE waits for its commit, then re-checks the new version
+# of the row (READ COMMITTED), whose fence and acquisition time moved: kept. An
+# acquire that writes after the DELETE waits for it and, the row gone, inserts its
+# counter (its upsert, sql/0006/acquire.sql), with a fence above the one the page read
+# and so above the floor compaction raised before this statement. Parameters: fence
+# keys, fences, cut-off, tolerance.
+DELETE_IDLE = f"""
+WITH t AS (SELECT {NOW_MS} AS now_ms)
+DELETE FROM syncguard_fence_counters c
+USING t, unnest(%s::text[], %s::bigint[]) AS b(fence_key, fence)
+WHERE c.fence_key = b.fence_key AND c.fence = b.fence AND c.fence_key <> {FLOOR}
+  AND {IDLE_COUNTER.format(c="c", live_after="t.now_ms - %s")}
+"""
+
 
 class PostgresOperations(DatabaseOperations):
     """PostgreSQL through psycopg; see the module docstring."""
@@ -150,6 +204,8 @@ class PostgresOperations(DatabaseOperations):
         ttl_ms: int,
         check_cancel: Callable[[], None],
         ticket: WaitTicket | None = None,
+        *,
+        clock: bool,
     ) -> AcquireReply:
         params = [
             keys.storage_key,
@@ -161,6 +217,7 @@ class PostgresOperations(DatabaseOperations):
             TIME_TOLERANCE_MS,
             None if ticket is None else ticket.id,
             None if ticket is None else ticket.patience_ms,
+            clock,
         ]
         # One statement: ``cancel`` was checked before dispatch. Checking it after
         # the commit would raise while holding a lock the caller never learns of.
@@ -216,6 +273,19 @@ class PostgresOperations(DatabaseOperations):
     def delete_expired_batch(self, batch_size: int, guard_ms: int) -> int:
         params = [guard_ms, batch_size]
         return self.run(lambda c: row_count(c, DELETE_EXPIRED, params))
+
+    def raise_fence_floor(self, fence: int) -> int:
+        return int(self.run(lambda c: fetch_value(c, RAISE_FLOOR, [FLOOR_KEY, fence])))
+
+    def idle_page(self, after: str, cutoff_ms: int, limit: int, stamp: bool) -> list[Row]:
+        params = [after, limit + 1, stamp, limit, cutoff_ms, TIME_TOLERANCE_MS]
+        return self.run(lambda c: fetch_all(c, IDLE_PAGE, params))
+
+    def delete_idle(self, counters: list[tuple[str, int]], cutoff_ms: int) -> int:
+        names = [name for name, _ in counters]
+        fences = [fence for _, fence in counters]
+        params = [names, fences, cutoff_ms, TIME_TOLERANCE_MS]
+        return self.run(lambda c: row_count(c, DELETE_IDLE, params))
 
 
 def _probe(hooks: WakeUpHooks, channel: str, payload: str) -> None:

@@ -32,6 +32,7 @@ from django.db.backends.signals import connection_created
 
 from ...constants import TIME_TOLERANCE_MS
 from ...errors import NetworkTimeout, ServiceUnavailable
+from ...fence_floors import next_fence
 from ...fencing import FENCE_MAX, format_fence
 from ...lifecycle import track
 from ...liveness import Clock, is_live, system_clock_ms
@@ -40,6 +41,8 @@ from ...waiting import Queue, WaitTicket, queue_admits, queue_head
 from .operations import (
     ACQUIRED,
     FENCE_OVERFLOW,
+    FENCE_PREFIX,
+    IDLE_COUNTER,
     LOCK_COLUMNS,
     LOCKED,
     AcquireReply,
@@ -48,16 +51,23 @@ from .operations import (
     Runner,
     StorageKeys,
     WakeUpHooks,
+    fetch_all,
+    fetch_one,
     fetch_row,
     fetch_value,
     row_count,
 )
+from .sql import FLOOR_KEY
 from .wakeups import DatabaseWakeUps, LocalWakeUps
 
 T = TypeVar("T")
 
 SELECT_LOCK = "SELECT expires_at_ms FROM syncguard_locks WHERE key = %s"
-SELECT_FENCE = "SELECT fence FROM syncguard_fence_counters WHERE fence_key = %s"
+# The key's counter and the fence floor (a row of the same table, sql.FLOOR_KEY).
+SELECT_FENCES = (
+    "SELECT (SELECT fence FROM syncguard_fence_counters WHERE fence_key = %s), "
+    "(SELECT fence FROM syncguard_fence_counters WHERE fence_key = %s)"
+)
 UPSERT_LOCK = (
     f"INSERT INTO syncguard_locks ({LOCK_COLUMNS}) VALUES (%s, %s, %s, %s, %s, %s) "
     "ON CONFLICT (key) DO UPDATE SET lock_id = excluded.lock_id, "
@@ -65,8 +75,9 @@ UPSERT_LOCK = (
     "fence = excluded.fence, user_key = excluded.user_key"
 )
 UPSERT_FENCE = (
-    "INSERT INTO syncguard_fence_counters (fence_key, fence) VALUES (%s, %s) "
-    "ON CONFLICT (fence_key) DO UPDATE SET fence = excluded.fence"
+    "INSERT INTO syncguard_fence_counters (fence_key, fence, acquired_at_ms) "
+    "VALUES (%s, %s, %s) ON CONFLICT (fence_key) DO UPDATE SET fence = excluded.fence, "
+    "acquired_at_ms = excluded.acquired_at_ms"
 )
 RELEASE = (
     "DELETE FROM syncguard_locks WHERE lock_id = %s AND expires_at_ms > %s "
@@ -104,6 +115,41 @@ LOOKUP = f"SELECT {LOCK_COLUMNS} FROM syncguard_locks WHERE {{column}} = %s"
 DELETE_EXPIRED = (
     "DELETE FROM syncguard_locks WHERE key IN (SELECT key FROM syncguard_locks "
     "WHERE expires_at_ms < %s ORDER BY expires_at_ms LIMIT %s) AND expires_at_ms < %s"
+)
+
+# Fence continuity (specs/backends/database.md, Fence continuity). Each statement, or
+# the transaction of a batch, holds the database's write lock, which an acquire holds
+# from its first read to its commit: none of them interleaves with an acquire.
+RAISE_FLOOR = (
+    "INSERT INTO syncguard_fence_counters (fence_key, fence) VALUES (%s, %s) "
+    "ON CONFLICT (fence_key) DO UPDATE SET fence = max(fence, excluded.fence) "
+    "RETURNING fence"
+)
+# Live tickets of the counter's key in the queue file (with queues on).
+NO_LIVE_TICKET = (
+    f" AND NOT EXISTS (SELECT 1 FROM {QUEUE} w "
+    f"WHERE w.key = substr({{c}}.fence_key, {len(FENCE_PREFIX) + 1}) "
+    "AND w.live_until_ms > %s)"
+)
+# Parameters: cut-off, live after (now - tolerance)[, now: with queues].
+IDLE = IDLE_COUNTER.format(c="c", live_after="%s")
+IDLE_WITH_QUEUE = IDLE + NO_LIVE_TICKET.format(c="c")
+# One page: the counters after the cursor in key order, each with whether it is idle.
+# Parameters: those of the condition, then cursor, floor key, limit + 1.
+IDLE_PAGE = (
+    "SELECT c.fence_key, c.fence, c.acquired_at_ms, coalesce({idle}, 0) "
+    "FROM syncguard_fence_counters c WHERE c.fence_key > %s AND c.fence_key <> %s "
+    "ORDER BY c.fence_key LIMIT %s"
+)
+# The stamp of one page (the keys after the cursor up to its last).
+STAMP = (
+    "UPDATE syncguard_fence_counters SET acquired_at_ms = %s WHERE acquired_at_ms IS NULL "
+    "AND fence_key > %s AND fence_key <= %s AND fence_key <> %s"
+)
+# One counter of a batch. Parameters: fence key, fence, floor key, then the condition's.
+DELETE_IDLE = (
+    "DELETE FROM syncguard_fence_counters AS c "
+    "WHERE c.fence_key = %s AND c.fence = %s AND c.fence_key <> %s AND {idle}"
 )
 
 
@@ -212,8 +258,12 @@ class SqliteOperations(DatabaseOperations):
         ttl_ms: int,
         check_cancel: Callable[[], None],
         ticket: WaitTicket | None = None,
+        *,
+        clock: bool,
     ) -> AcquireReply:
-        return self.run(lambda c: self._acquire(c, keys, lock_id, ttl_ms, check_cancel, ticket))
+        return self.run(
+            lambda c: self._acquire(c, keys, lock_id, ttl_ms, check_cancel, ticket, clock)
+        )
 
     def _acquire(
         self,
@@ -223,6 +273,7 @@ class SqliteOperations(DatabaseOperations):
         ttl_ms: int,
         check_cancel: Callable[[], None],
         ticket: WaitTicket | None,
+        clock: bool,
     ) -> AcquireReply:
         """Acquire in one transaction that holds the database lock from its start, so
         no other writer runs between the reads and the writes. A ticket for a held key,
@@ -234,7 +285,7 @@ class SqliteOperations(DatabaseOperations):
             return LOCKED, None, None, self._enqueue(cursor, keys.storage_key, ticket)
         try:
             reply, wrote = self._read_then_write(
-                cursor, keys, lock_id, ttl_ms, check_cancel, ticket
+                cursor, keys, lock_id, ttl_ms, check_cancel, ticket, clock
             )
             cursor.execute("COMMIT" if wrote else "ROLLBACK")
             return reply
@@ -299,9 +350,11 @@ class SqliteOperations(DatabaseOperations):
         ttl_ms: int,
         check_cancel: Callable[[], None],
         ticket: WaitTicket | None,
+        clock: bool,
     ) -> tuple[AcquireReply, bool]:
         """The acquire's reads and writes inside its transaction; the reply, and whether
-        anything was written (to commit)."""
+        anything was written (to commit). The fence is ``next_fence`` of the counter
+        and the floor, read together, and of this machine's clock in clock mode."""
         now = self.clock()
         live = self._live(cursor, keys.storage_key, now)
         take, position, before, queue = _queue_rule(
@@ -311,7 +364,8 @@ class SqliteOperations(DatabaseOperations):
             check_cancel()  # before the queue's writes
             wrote = _write_queue(cursor, keys.storage_key, before, queue)
             return (LOCKED, None, None, position), wrote
-        fence = int(fetch_value(cursor, SELECT_FENCE, [keys.fence_key]) or 0) + 1
+        last, floor = fetch_one(cursor, SELECT_FENCES, [keys.fence_key, FLOOR_KEY])
+        fence = next_fence(int(last or 0), int(floor or 0), now if clock else None)
         if fence > FENCE_MAX:
             return (FENCE_OVERFLOW, None, None, None), False
         check_cancel()  # after the reads, before the writes
@@ -320,7 +374,7 @@ class SqliteOperations(DatabaseOperations):
             UPSERT_LOCK,
             [keys.storage_key, lock_id, now + ttl_ms, now, format_fence(fence), keys.user_key],
         )
-        cursor.execute(UPSERT_FENCE, [keys.fence_key, fence])
+        cursor.execute(UPSERT_FENCE, [keys.fence_key, fence, now])
         return (ACQUIRED, fence, now + ttl_ms, None), True
 
     def _enqueue(self, cursor: Any, storage_key: str, ticket: WaitTicket) -> int | None:
@@ -436,6 +490,57 @@ class SqliteOperations(DatabaseOperations):
         cutoff = self.clock() - guard_ms
         params = [cutoff, batch_size, cutoff]
         return self.run(lambda c: row_count(c, DELETE_EXPIRED, params))
+
+    # ------------------------------------------------------- fence continuity
+    def raise_fence_floor(self, fence: int) -> int:
+        return int(self.run(lambda c: fetch_value(c, RAISE_FLOOR, [FLOOR_KEY, fence])))
+
+    def _idle(self, cutoff_ms: int, now: int) -> tuple[str, list[Any]]:
+        """Compaction's condition on the counter ``c`` at ``now``, and its parameters:
+        with queues on, also no live ticket for the key in the queue file (SQLite keeps
+        no waiters flag on the counter). Without queues that file is not attached, and
+        this backend never looks at a queue anyway."""
+        if self.queues:
+            return IDLE_WITH_QUEUE, [cutoff_ms, now - TIME_TOLERANCE_MS, now]
+        return IDLE, [cutoff_ms, now - TIME_TOLERANCE_MS]
+
+    def idle_page(self, after: str, cutoff_ms: int, limit: int, stamp: bool) -> list[Row]:
+        now = self.clock()
+        idle, params = self._idle(cutoff_ms, now)
+        sql = IDLE_PAGE.format(idle=idle)
+
+        def page(cursor: Any) -> list[Row]:
+            rows = fetch_all(cursor, sql, [*params, after, FLOOR_KEY, limit + 1])
+            if stamp and rows:
+                # The rows read show the counters as they were (NULL: not idle).
+                last = rows[min(limit, len(rows)) - 1][0]
+                cursor.execute(STAMP, [now, after, last, FLOOR_KEY])
+            return rows
+
+        return self.run(page)
+
+    def delete_idle(self, counters: list[tuple[str, int]], cutoff_ms: int) -> int:
+        now = self.clock()
+        idle, params = self._idle(cutoff_ms, now)
+        sql = DELETE_IDLE.format(idle=idle)
+        rows = [[name, fence, FLOOR_KEY, *params] for name, fence in counters]
+
+        def delete(cursor: Any) -> int:
+            # One transaction for the batch (one commit): it holds the write lock, so no
+            # acquire runs between a counter's check and its delete.
+            cursor.execute("BEGIN IMMEDIATE")
+            try:
+                deleted = 0
+                for row in rows:
+                    deleted += row_count(cursor, sql, row)
+                cursor.execute("COMMIT")
+                return deleted
+            except BaseException:
+                with suppress(Exception):
+                    cursor.execute("ROLLBACK")
+                raise
+
+        return self.run(delete)
 
 
 @contextmanager

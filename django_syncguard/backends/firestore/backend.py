@@ -35,6 +35,7 @@ from django.core import checks
 from ...cancellation import CancelToken, check_cancel
 from ...constants import TIME_TOLERANCE_MS
 from ...errors import InvalidArgument, LockError, ServiceUnavailable
+from ...fence_floors import IdleCounter, next_fence
 from ...fencing import FENCE_MAX, fence_overflow_error, format_fence
 from ...keys import generate_lock_id
 from ...liveness import is_live
@@ -45,9 +46,12 @@ from .client import FirestoreClients, _firestore, guard_failed, mapped_error, ou
 from .documents import (
     ACQUIRED_AT_MS,
     ARRIVALS,
+    COUNTER_ACQUIRED_AT_MS,
     COUNTER_FENCE,
     EXPIRES_AT_MS,
     FENCE,
+    FLOOR,
+    FLOOR_ID,
     KEY,
     LOCK_ID,
     PURGE_AT,
@@ -57,6 +61,7 @@ from .documents import (
     has_waiters,
     holds_lock,
     last_until,
+    lock_document_of,
     lock_fields,
     purge_at,
     queue_fields,
@@ -83,6 +88,9 @@ HELD_MEMORY = 10_000
 _LAST_CHAR = "\U0010ffff"
 #: Queries one inspector page may make while skipping expired documents.
 _READS_PER_PAGE = 5
+#: The field path of a document's id, for ordering and cursors.
+_DOCUMENT_ID = "__name__"
+_DESCENDING = "DESCENDING"
 
 _COLLECTION_ID = re.compile(r"[^/]+")
 _RESERVED_ID = re.compile(r"__.*__", re.DOTALL)
@@ -174,8 +182,19 @@ class FirestoreBackend(BatchedCleanup, BaseLockBackend):
         lock_doc = document_id(key)
         return (
             client.collection(self.collection).document(lock_doc),
-            client.collection(self.fence_collection).document(counter_id(lock_doc)),
+            self._fences(client).document(counter_id(lock_doc)),
         )
+
+    def _fences(self, client: Any = None) -> Any:
+        return (client or self.client).collection(self.fence_collection)
+
+    def _floor_ref(self, client: Any = None) -> Any:
+        return self._fences(client).document(FLOOR_ID)
+
+    def _acquire_refs(self, key: str, client: Any = None) -> _AcquireRefs:
+        """What an acquire reads in its one ``get_all``: the key's lock document, its
+        fence counter, and the alias's fence floor."""
+        return (*self._refs(key, client), self._floor_ref(client))
 
     def _by_lock_id(self, lock_id: str, client: Any = None) -> Any:
         # No limit: duplicates must be seen to be handled (specs/backends/firestore.md,
@@ -255,7 +274,7 @@ class FirestoreBackend(BatchedCleanup, BaseLockBackend):
         key: str,
         ttl_ms: int,
         snaps: list[Any],
-        refs: tuple[Any, Any],
+        refs: _AcquireRefs,
         cancel: CancelToken | None,
         ticket: WaitTicket | None,
         lock_id: str,
@@ -264,9 +283,16 @@ class FirestoreBackend(BatchedCleanup, BaseLockBackend):
         caller's place in the queue), overflow, or fill ``batch`` with the guarded
         writes of a new lock under ``lock_id``. The plan's result is what the writes
         will make true; a read that shows the lock already ours (an earlier pass's
-        commit applied, its answer lost) answers as that commit would have."""
+        commit applied, its answer lost) answers as that commit would have.
+
+        The new fence is ``next_fence(counter, floor, now in clock mode)``. The three
+        documents come from one ``get_all``, which shows every commit acknowledged
+        before one it shows (specs/backends/firestore.md, Fence continuity): a counter
+        read as absent because compaction deleted it comes with the floor compaction
+        raised before deleting it; a counter read before its deletion fails its guard
+        below, and the acquire reads again."""
         by_path = {snap.reference.path: snap for snap in snaps}
-        lock_ref, fence_ref = refs
+        lock_ref, fence_ref, floor_ref = refs
         current, counter = by_path[lock_ref.path], by_path[fence_ref.path]
         now = server_ms(current.read_time)  # Firestore's clock
         data = fields_of(current)
@@ -295,7 +321,9 @@ class FirestoreBackend(BatchedCleanup, BaseLockBackend):
                 return _Plan(AcquireResult.locked(position), write=True)
         elif not free:
             return _Plan(AcquireResult.locked())  # nobody waits: no write, as always
-        fence = (int(counter.get(COUNTER_FENCE)) if counter.exists else 0) + 1
+        previous = int(counter.get(COUNTER_FENCE)) if counter.exists else 0
+        clock = now if self.fence_mode == "clock" else None
+        fence = next_fence(previous, _floor_of(by_path[floor_ref.path]), clock)
         if fence > FENCE_MAX:
             raise fence_overflow_error(key)
         check_cancel(cancel, {"key": key})  # after reads, before writes
@@ -306,7 +334,15 @@ class FirestoreBackend(BatchedCleanup, BaseLockBackend):
             PURGE_AT: purge_at(max(expires, waiting_until or 0)),
             **queue_fields(data, queue, arrivals),
         }
-        self._put(batch, fence_ref, counter, {COUNTER_FENCE: format_fence(fence)})
+        # The floor is read, not guarded: it only rises, and a raise that lands after
+        # our read is followed by the deletes it protects, each of which either fails
+        # its own guard (our counter write came first) or fails ours.
+        self._put(
+            batch,
+            fence_ref,
+            counter,
+            {COUNTER_FENCE: format_fence(fence), COUNTER_ACQUIRED_AT_MS: now},
+        )
         self._put(batch, lock_ref, current, lock)
         result = AcquireResult(
             ok=True, lock_id=lock_id, expires_at_ms=expires, fence=format_fence(fence)
@@ -322,7 +358,7 @@ class FirestoreBackend(BatchedCleanup, BaseLockBackend):
     def _acquire(
         self, key: str, ttl_ms: int, cancel: CancelToken | None, ticket: WaitTicket | None = None
     ) -> AcquireResult:
-        refs, lock_id = self._refs(key), generate_lock_id()
+        refs, lock_id = self._acquire_refs(key), generate_lock_id()
         for _ in range(CONFLICT_ATTEMPTS):
             snaps = self._call(lambda: list(self.client.get_all(list(refs))))
             batch = self.client.batch()
@@ -337,7 +373,7 @@ class FirestoreBackend(BatchedCleanup, BaseLockBackend):
         self, key: str, ttl_ms: int, cancel: CancelToken | None, ticket: WaitTicket | None = None
     ) -> AcquireResult:
         client = self.aclient()
-        refs, lock_id = self._refs(key, client), generate_lock_id()
+        refs, lock_id = self._acquire_refs(key, client), generate_lock_id()
         for _ in range(CONFLICT_ATTEMPTS):
             snaps = await self._acall(_collect(client.get_all(list(refs))))
             batch = client.batch()
@@ -348,7 +384,7 @@ class FirestoreBackend(BatchedCleanup, BaseLockBackend):
                 return self._committed(plan, refs, batch)
         return AcquireResult.locked()
 
-    def _committed(self, plan: _Plan, refs: tuple[Any, Any], batch: Any) -> AcquireResult:
+    def _committed(self, plan: _Plan, refs: _AcquireRefs, batch: Any) -> AcquireResult:
         if plan.result.ok:
             self._held.remember(plan.result, refs[0].path, batch, plan.waiting_until)
         return plan.result
@@ -486,10 +522,9 @@ class FirestoreBackend(BatchedCleanup, BaseLockBackend):
             unknown = unknown or committed is None
         raise self._kept_changing()
 
-    def _kept_changing(self) -> ServiceUnavailable:
+    def _kept_changing(self, what: str = "the lock") -> ServiceUnavailable:
         return ServiceUnavailable(
-            f"Firestore ({self.alias!r}): the lock kept changing during "
-            f"{CONFLICT_ATTEMPTS} attempts."
+            f"Firestore ({self.alias!r}): {what} kept changing during {CONFLICT_ATTEMPTS} attempts."
         )
 
     def _delete(self, batch: Any, snap: Any, now: int = 0) -> None:
@@ -703,26 +738,122 @@ class FirestoreBackend(BatchedCleanup, BaseLockBackend):
         # A document whose lock expired long ago may still hold live waiters' places
         # (until the first of them takes the key): it stays.
         snaps = [s for s in self._call(lambda: list(query.stream())) if not has_waiters(s)]
-        if not snaps:
-            return 0
-        batch = self.client.batch()
-        for snap in snaps:
-            self._delete(batch, snap)
-        if self._commit(batch):
-            return len(snaps)
-        # One document changed since the query (re-acquired): the batch wrote nothing.
-        # Delete one by one, each only if still as read.
-        deleted = 0
-        for snap in snaps:
-            single = self.client.batch()
-            self._delete(single, snap)
-            deleted += bool(self._commit(single))  # unknown: not counted
-        return deleted
+        # A document that changed since the query (re-acquired) fails its guard.
+        return self._write_each([partial(self._delete, snap=snap) for snap in snaps])
+
+    def _write_each(self, writes: list[Callable[[Any], None]]) -> int:
+        """Apply guarded ``writes`` (each adds one write to a batch) in batches of
+        Firestore's maximum; how many applied. A batch is all or nothing: when one
+        guard failed (its document changed since it was read), or the outcome is
+        unknown, each write of that batch is committed again alone, and only those
+        that then apply are counted (a write of unknown outcome counts as not applied;
+        if it did apply, its guard now fails)."""
+        applied = 0
+        for start in range(0, len(writes), MAX_WRITES_PER_BATCH):
+            chunk = writes[start : start + MAX_WRITES_PER_BATCH]
+            batch = self.client.batch()
+            for write in chunk:
+                write(batch)
+            if self._commit(batch):
+                applied += len(chunk)
+                continue
+            for write in chunk:
+                single = self.client.batch()
+                write(single)
+                applied += bool(self._commit(single))
+        return applied
 
     def now_ms(self) -> int:
         """Firestore's clock: the read time of a (missing) document."""
         snap = self._call(lambda: self._locks().document("syncguard-clock").get())
         return server_ms(snap.read_time)
+
+    # ------------------------------------------------------ fence continuity
+    # The floor is the document FLOOR_ID of the fence collection; every counter holds
+    # its last fence and when it was handed out (documents.py). Why no interleaving of
+    # compaction and acquire makes a fence go back: specs/backends/firestore.md,
+    # Fence continuity.
+    def _fence_floor(self) -> int:
+        return _floor_of(self._call(self._floor_ref().get))
+
+    def _raise_fence_floor(self, fence: int) -> int:
+        # Read, then a write guarded on that read (create if absent, else unchanged
+        # since): a concurrent raise fails our guard, and we read its result again.
+        ref = self._floor_ref()
+        for _ in range(CONFLICT_ATTEMPTS):
+            snap = self._call(ref.get)
+            floor = _floor_of(snap)
+            if floor >= fence:
+                return floor
+            batch = self.client.batch()
+            self._put(batch, ref, snap, {FLOOR: format_fence(fence)})
+            if self._commit(batch):
+                return fence
+            # A guard failed, or the outcome is unknown: the next read tells.
+        raise self._kept_changing("the fence floor")
+
+    def _highest_fence(self) -> int:
+        # Fences are 15-digit strings: string order is numeric order, and the automatic
+        # single-field index on ``fence`` serves the query. The floor document has no
+        # ``fence`` field, so the query never returns it.
+        query = self._fences().order_by(COUNTER_FENCE, direction=_DESCENDING).limit(1)
+        snaps = self._call(partial(_streamed, query))
+        return int(snaps[0].get(COUNTER_FENCE)) if snaps else 0
+
+    def _idle_counters(
+        self, cutoff_ms: int, cursor: str | None, limit: int, *, stamp: bool
+    ) -> tuple[list[IdleCounter], str | None]:
+        # Counters in document id order (cursor: the last id looked at). A page holds
+        # at most one batched write's worth, so its deletes (or stamps) fit one batch.
+        size = min(limit, MAX_WRITES_PER_BATCH)
+        fences = self._fences()
+        query = fences.order_by(_DOCUMENT_ID)
+        if cursor is not None:
+            query = query.start_after({_DOCUMENT_ID: fences.document(cursor)})
+        snaps: list[Any] = self._call(partial(_streamed, query.limit(size)))
+        next_cursor = snaps[-1].id if len(snaps) == size else None
+        # The floor document, and a counter whose id is a hash (never made with the
+        # current key limits, documents.lock_document_of), are skipped: without the
+        # lock document there is no telling whether the key is idle.
+        counters = {doc: snap for snap in snaps if (doc := lock_document_of(snap.id)) is not None}
+        if not counters:
+            return [], next_cursor
+        unstamped = [s for s in counters.values() if COUNTER_ACQUIRED_AT_MS not in fields_of(s)]
+        if stamp and unstamped:
+            now = server_ms(unstamped[0].read_time)
+            self._write_each([partial(_stamp, snap=snap, now=now) for snap in unstamped])
+        locks = self._lock_documents(counters)
+        idle = [
+            IdleCounter(counter.id, int(counter.get(COUNTER_FENCE)), guard=counter.update_time)
+            for doc, counter in counters.items()
+            if int(fields_of(counter).get(COUNTER_ACQUIRED_AT_MS, cutoff_ms)) < cutoff_ms
+            and _quiet(locks[doc])
+        ]
+        return idle, next_cursor
+
+    def _delete_idle_counters(self, counters: list[IdleCounter], cutoff_ms: int) -> int:
+        # Each delete is guarded by the update time the page read: any acquire since
+        # rewrote the counter (acquiredAtMs included), so a counter still as read is
+        # still not acquired since ``cutoff_ms``. The lock documents are read again for
+        # what does not touch the counter: a waiter that queued since the page.
+        by_doc = {doc: c for c in counters if (doc := lock_document_of(c.name)) is not None}
+        if not by_doc:
+            return 0
+        locks = self._lock_documents(by_doc)
+        fences = self._fences()
+        return self._write_each(
+            [
+                partial(_delete_since, ref=fences.document(counter.name), update_time=counter.guard)
+                for doc, counter in by_doc.items()
+                if _quiet(locks[doc])
+            ]
+        )
+
+    def _lock_documents(self, ids: Mapping[str, Any]) -> dict[str, Any]:
+        """Snapshots of the lock documents ``ids``, read in one ``get_all``, by id."""
+        locks = self._locks()
+        refs = [locks.document(doc) for doc in ids]
+        return {snap.id: snap for snap in self._call(lambda: list(self.client.get_all(refs)))}
 
     def deploy_check(self) -> list[Any]:
         return [
@@ -733,6 +864,8 @@ class FirestoreBackend(BatchedCleanup, BaseLockBackend):
 
 
 _Remembered = tuple[str, Any, int, int | None]
+#: An acquire's reads: the lock document, its fence counter, the fence floor.
+_AcquireRefs = tuple[Any, Any, Any]
 
 
 class _Held:
@@ -790,6 +923,28 @@ def _settled(outcome: tuple[str, Any], released_unseen: bool) -> tuple[str, Any]
     if released_unseen and outcome[0] == "not-found":
         return ("ok", None)
     return outcome
+
+
+def _quiet(lock: Any) -> bool:
+    """Whether a lock document shows, at its read time, no live lock and no live
+    waiter's place (a missing document: yes)."""
+    return not holds_lock(fields_of(lock), server_ms(lock.read_time)) and not has_waiters(lock)
+
+
+def _stamp(batch: Any, snap: Any, now: int) -> None:
+    """Give a counter read without an acquisition time ``now``, only if unchanged since."""
+    guard = _unchanged_since(snap.update_time)
+    batch.update(snap.reference, {COUNTER_ACQUIRED_AT_MS: now}, **guard)
+
+
+def _delete_since(batch: Any, ref: Any, update_time: Any) -> None:
+    """Delete ``ref`` only if it was last written at ``update_time``."""
+    batch.delete(ref, **_unchanged_since(update_time))
+
+
+def _floor_of(snap: Any) -> int:
+    """The fence floor a read of the floor document shows (0: never raised)."""
+    return int(snap.get(FLOOR)) if snap.exists else 0
 
 
 def _unchanged_since(update_time: Any) -> dict[str, Any]:

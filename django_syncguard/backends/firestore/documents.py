@@ -13,8 +13,16 @@ A key's **lock document** (id: :func:`document_id`, in ``OPTIONS["COLLECTION"]``
 ``arrivals``
     the last arrival number handed out; both queue fields are absent when nobody waits.
 
-A key's **fence counter** (in ``OPTIONS["FENCE_COLLECTION"]``) has one field,
-``fence``: the last fence handed out, never deleted.
+A key's **fence counter** (in ``OPTIONS["FENCE_COLLECTION"]``, id :func:`counter_id`):
+
+``fence``
+    the last fence handed out (15 digits, so string order is numeric order);
+``acquiredAtMs``
+    when that fence was handed out (Firestore's clock); absent in counters written
+    before fence compaction existed. A counter is only deleted by compaction.
+
+The alias's **fence floor** is the document :data:`FLOOR_ID` of the same collection,
+with one field, ``floor`` (15 digits); no counter can have that id.
 """
 
 from __future__ import annotations
@@ -41,8 +49,17 @@ PURGE_AT = "purgeAt"
 #: Document fields of a key's queue.
 WAITERS = "waiters"
 ARRIVALS = "arrivals"
-#: The field of a fence counter document.
+#: Fields of a fence counter document.
 COUNTER_FENCE = "fence"
+COUNTER_ACQUIRED_AT_MS = "acquiredAtMs"
+#: The fence floor's document id in the fence collection, and its field. A counter id
+#: is ``make_storage_key("", "fence:" + lock document id, ...)`` with an empty prefix:
+#: either ``fence:<lock document id>``, or, when that is too long, the bare 22-character
+#: base64url hash, which has no colon. ``syncguard:floor`` is neither.
+FLOOR_ID = "syncguard:floor"
+FLOOR = "floor"
+#: What every counter id that is not hashed starts with.
+_COUNTER_HEAD = "fence:"
 
 LIMIT_BYTES = BACKEND_LIMITS["FIRESTORE"]
 RESERVE = RESERVE_BYTES["FIRESTORE"]
@@ -72,7 +89,18 @@ def _document_id(key: str) -> str:
 
 def counter_id(lock_document_id: str) -> str:
     """The fence counter document id of a lock document."""
-    return make_storage_key("", f"fence:{lock_document_id}", LIMIT_BYTES, RESERVE)
+    return make_storage_key("", f"{_COUNTER_HEAD}{lock_document_id}", LIMIT_BYTES, RESERVE)
+
+
+def lock_document_of(counter_document_id: str) -> str | None:
+    """The lock document id whose counter is ``counter_document_id``; None for the
+    floor, and for a hashed counter id, which cannot be mapped back. (Keys are at most
+    512 bytes, so ``fence:`` + a lock document id always fits the 1500-byte id limit
+    and no counter is hashed today; a hashed one is never compacted.)"""
+    if not counter_document_id.startswith(_COUNTER_HEAD):
+        return None
+    lock_document = counter_document_id[len(_COUNTER_HEAD) :]
+    return lock_document if counter_id(lock_document) == counter_document_id else None
 
 
 def purge_at(expires_at_ms: int) -> dt.datetime:

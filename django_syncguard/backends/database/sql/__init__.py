@@ -19,9 +19,9 @@ expands it inline, so the functions pay no extra call for it (acquire, release a
 extend are on every lock's hot path). The values are part of the released SQL too:
 never change one, add a new name for a new value.
 
-**Adding a version** (say migration ``0006_postgres_fence_floor``):
+**Adding a version** (as ``0006_fence_continuity`` did; say ``0007_...``):
 
-1. create ``sql/0006/`` with the new or replaced functions (copy the previous
+1. create ``sql/0007/`` with the new or replaced functions (copy the previous
    version's file and edit the copy) and a ``drop.sql`` for what the new version adds
    (new signatures, sequences, functions);
 2. add the pinned hashes of the new files to ``tests/test_database_sql_files.py``;
@@ -33,13 +33,13 @@ never change one, add a new name for a new value.
 
 
        class Migration(migrations.Migration):
-           dependencies = [("django_syncguard", "0005_postgres_queue_functions")]
+           dependencies = [("django_syncguard", "0006_fence_continuity")]
 
            operations = [
                sql.run_on_postgresql(
-                   sql.load("0006", "acquire"),
-                   # the reverse puts back what 0006 replaced, from 0005's files
-                   sql.load("0006", "drop") + sql.load("0005", "acquire"),
+                   sql.load("0007", "acquire"),
+                   # the reverse puts back what 0007 replaced, from 0006's files
+                   sql.load("0007", "drop") + sql.load("0006", "acquire"),
                )
            ]
 
@@ -67,6 +67,14 @@ NOW_MS = "floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint"
 #: lock before deleting a row.
 LOCK_CLASS = 1937337447
 
+#: The ``fence_key`` of the row of ``syncguard_fence_counters`` that holds the alias's
+#: fence floor (:mod:`django_syncguard.fence_floors`). No key's fence key can be it: the
+#: backend's fence keys are ``keys.fence_key_of("", storage key, 1700, 0)``, which is
+#: ``"fence:" + storage key`` or, when that is over 1700 bytes, the bare 22-character
+#: base64url hash of ``make_storage_key`` (letters, digits, ``-`` and ``_``: no colon,
+#: the prefix being empty). This one has a colon and does not start with ``fence:``.
+FLOOR_KEY = "syncguard:floor"
+
 #: What ``{{ name }}`` stands for in the ``.sql`` files. Released values never change.
 PLACEHOLDERS: Mapping[str, str] = MappingProxyType(
     {
@@ -74,6 +82,8 @@ PLACEHOLDERS: Mapping[str, str] = MappingProxyType(
         "lock_class": str(LOCK_CLASS),
         # The digits of a fence string (``constants.FENCE_DIGITS``).
         "fence_digits": "15",
+        # FLOOR_KEY as an SQL literal (since 0006).
+        "floor_key": f"'{FLOOR_KEY}'",
     }
 )
 
