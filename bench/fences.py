@@ -300,15 +300,17 @@ def compact(backend: Any, idle_ms: int, batch_size: int) -> tuple[int, int, floa
     return sum(batches), len(batches), time.perf_counter() - started
 
 
-def real_cycles(backend: Any, name: str, count: int, width: int) -> float:
-    """``count`` keys ``<name>:<n>`` through one acquire and release each, in
-    SAMPLE_THREADS threads; returns the seconds taken."""
+def real_cycles(backend: Any, name: str, count: int, width: int, *, release: bool = True) -> float:
+    """``count`` keys ``<name>:<n>`` through one acquire and release each (or, without
+    ``release``, held for an hour), in SAMPLE_THREADS threads; returns the seconds
+    taken."""
 
     def run(numbers: range) -> None:
         for n in numbers:
-            result = backend.acquire(f"{name}:{n:0{width}d}", TTL_MS)
+            result = backend.acquire(f"{name}:{n:0{width}d}", 3_600_000 if not release else TTL_MS)
             assert result.ok, result
-            assert backend.release(result.lock_id).ok
+            if release:
+                assert backend.release(result.lock_id).ok
 
     started = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(SAMPLE_THREADS) as pool:
@@ -346,6 +348,9 @@ class CompactionRun:
     old_left: int = 0
     #: What a second run, right after, deleted (run only when old counters were left).
     second_deleted: int = 0
+    #: The counters ``before`` and ``after`` hold (0: ``seeded``, ``remaining``).
+    before_n: int = 0
+    after_n: int = 0
 
 
 def compaction_table(runs: list[CompactionRun], postgres: bool) -> list[str]:
@@ -367,17 +372,18 @@ def compaction_table(runs: list[CompactionRun], postgres: bool) -> list[str]:
     lines = [head, rule]
     for r in runs:
         per_10k = r.seconds / r.deleted * 10_000 if r.deleted else float("nan")
+        before_n, after_n = r.before_n or r.seeded, max(r.after_n or r.remaining, 1)
         line = (
             f"| {r.batch_size:,} | {r.seeded:,} | {r.seed_s:.1f} | {r.deleted:,} "
             f"| {r.remaining:,} | {r.old_left:,} | {r.second_deleted:,} | {r.batches:,} "
             f"| {r.seconds:.1f} | **{per_10k:.2f}** "
-            f"| {r.before / 2**20:,.1f} | {r.before / r.seeded:,.0f} "
-            f"| {r.after / 2**20:,.1f} | {r.after / max(r.remaining, 1):,.0f} |"
+            f"| {r.before / 2**20:,.1f} | {r.before / before_n:,.0f} "
+            f"| {r.after / 2**20:,.1f} | {r.after / after_n:,.0f} |"
         )
         if postgres:
             line += (
                 f" {r.vacuum_s:.1f} | {r.after_full / 2**20:,.1f} "
-                f"| {r.after_full / max(r.remaining, 1):,.0f} | {r.full_s:.1f} |"
+                f"| {r.after_full / after_n:,.0f} | {r.full_s:.1f} |"
             )
         lines.append(line)
     return lines
@@ -399,6 +405,21 @@ def steps_table(backend: str, runs: list[CompactionRun]) -> list[str]:
 # ------------------------------------------------------------------ Redis
 def redis_used(client: Any) -> int:
     return int(client.info("memory")["used_memory"])
+
+
+def redis_settled(client: Any, timeout_s: float = 10.0) -> int:
+    """``used_memory`` once it stops changing (at most ``timeout_s``): after mass
+    deletes the server shrinks its keyspace's hash table in its cron (10 times a
+    second), a little later."""
+    deadline = time.monotonic() + timeout_s
+    last = redis_used(client)
+    while time.monotonic() < deadline:
+        time.sleep(0.5)
+        now = redis_used(client)
+        if now == last:
+            break
+        last = now
+    return last
 
 
 def redis_calls(client: Any) -> dict[str, int]:
@@ -425,9 +446,10 @@ def seed_redis(
     return time.perf_counter() - started
 
 
-def redis_counters(client: Any, backend: Any) -> int:
-    """Keys of the namespace less the floor key."""
-    return int(client.dbsize()) - int(client.exists(backend.floor_key))
+def redis_counters(client: Any, backend: Any, held: int = 0) -> int:
+    """Lock hashes (each holds a counter): keys less the floor and the ``held``
+    locks' lock-id index keys."""
+    return int(client.dbsize()) - int(client.exists(backend.floor_key)) - held
 
 
 def redis_compaction(url: str, args: argparse.Namespace, report: Report) -> list[CompactionRun]:
@@ -483,11 +505,12 @@ def redis_compaction(url: str, args: argparse.Namespace, report: Report) -> list
     backend.close()
 
     runs = []
-    expected_kept = recent_count(args.keys, args.recent_every)
+    expected_kept = recent_count(args.keys, args.recent_every) + args.held
     for batch_size in args.batch_sizes:
         client.flushall()
         backend = RedisBackend("compact", {"LOCATION": url})
-        empty = redis_used(client)
+        real_cycles(backend, "held", args.held, width, release=False)
+        empty = redis_used(client)  # the held locks included
         seed_s = seed_redis(
             client, backend.prefix, "k", args.keys, width, backend.now_ms(), args.recent_every
         )
@@ -496,8 +519,9 @@ def redis_compaction(url: str, args: argparse.Namespace, report: Report) -> list
         calls = redis_calls(client)
         deleted, batches, seconds = compact(backend, IDLE_MS, batch_size)
         after_calls = redis_calls(client)
-        after = redis_used(client) - empty
-        remaining = redis_counters(client, backend)
+        right_after = redis_used(client) - empty
+        after = redis_settled(client) - empty
+        remaining = redis_counters(client, backend, args.held)
         n = max(len(steps["page"]), 1)
         second = compact(backend, IDLE_MS, batch_size)[0] if remaining > expected_kept else 0
 
@@ -523,13 +547,16 @@ def redis_compaction(url: str, args: argparse.Namespace, report: Report) -> list
                 server=server,
                 old_left=remaining - expected_kept,
                 second_deleted=second,
+                before_n=args.keys,
+                after_n=remaining - args.held,
             )
         )
         report(
             f"- batch size {batch_size:,}: deleted {deleted:,} in {seconds:.1f} s, "
             f"{remaining:,} left ({remaining - expected_kept:,} of them old; a second run "
             f"deleted {second:,}); {before / args.keys:.0f} -> "
-            f"{after / max(remaining, 1):.0f} bytes per counter"
+            f"{right_after / max(remaining - args.held, 1):.0f} (right after) / "
+            f"{after / max(remaining - args.held, 1):.0f} (settled) bytes per counter"
         )
         backend.close()
     client.flushall()
@@ -537,9 +564,15 @@ def redis_compaction(url: str, args: argparse.Namespace, report: Report) -> list
         "",
         "### Redis: compacting seeded single-use keys",
         "",
-        f"`used_memory` over the empty server, with {args.keys:,} released keys seeded, then "
-        f"after `compact_fences(idle_ms={IDLE_MS:,}, batch_size=B)`; "
-        f"1 key in {args.recent_every} was acquired now and is kept.",
+        f"`used_memory` over the server holding {args.held:,} live locks on other keys "
+        f"(acquired for an hour, kept by compaction), with {args.keys:,} released keys "
+        f"seeded, then after `compact_fences(idle_ms={IDLE_MS:,}, batch_size=B)` (once "
+        f"`used_memory` stopped changing: the server shrinks its keyspace's table in its "
+        f"cron), per seeded counter; 1 key in {args.recent_every} was acquired now and "
+        "must be kept. "
+        "*Left*: seeded counters and the held locks' hashes after the run; *of which old*: "
+        "counters idle for 30 days that the run did not delete; *a 2nd run deleted*: what "
+        "the same call, made again right after, deleted of those.",
         "",
         *compaction_table(runs, postgres=False),
         "",
@@ -682,15 +715,17 @@ def postgres_compaction(port: int, args: argparse.Namespace, report: Report) -> 
     backend.close()
 
     runs = []
-    expected_kept = recent_count(args.keys, args.recent_every)
+    expected_kept = recent_count(args.keys, args.recent_every) + args.held
     for batch_size in args.batch_sizes:
         pg_empty(conn)
+        backend = DatabaseBackend("compact", {"OPTIONS": {"DATABASE": "default"}})
+        real_cycles(backend, "held", args.held, width, release=False)
         seed_s = seed_postgres(conn, "k", args.keys, width, args.recent_every)
         # VACUUM (ANALYZE): the visibility map written and statistics taken, as
-        # autovacuum would have done on a table that grew over months.
+        # autovacuum would have done on tables that grew over months.
         conn.execute("VACUUM (ANALYZE) syncguard_fence_counters")
+        conn.execute("VACUUM (ANALYZE) syncguard_locks")
         before = pg_size(conn)
-        backend = DatabaseBackend("compact", {"OPTIONS": {"DATABASE": "default"}})
         steps = timed_hooks(backend)
         stats = pg_stats(conn)
         deleted, batches, seconds = compact(backend, IDLE_MS, batch_size)
@@ -735,11 +770,14 @@ def postgres_compaction(port: int, args: argparse.Namespace, report: Report) -> 
                 server,
                 remaining - expected_kept,
                 second,
+                args.keys + args.held,
+                remaining,
             )
         )
         report(
             f"- batch size {batch_size:,}: deleted {deleted:,} in {seconds:.1f} s, "
-            f"{remaining:,} left; {before / args.keys:.0f} -> {after / max(remaining, 1):.0f} "
+            f"{remaining:,} left; {before / (args.keys + args.held):.0f} -> "
+            f"{after / max(remaining, 1):.0f} "
             f"(VACUUM) / {after_full / max(remaining, 1):.0f} (VACUUM FULL) bytes per counter"
         )
     pg_empty(conn)
@@ -749,10 +787,13 @@ def postgres_compaction(port: int, args: argparse.Namespace, report: Report) -> 
         "### PostgreSQL: compacting seeded single-use keys",
         "",
         f"`pg_total_relation_size('syncguard_fence_counters')` (heap, primary key index, "
-        f"maps) with {args.keys:,} released keys seeded, after `VACUUM (ANALYZE)`; then "
-        f"after `compact_fences(idle_ms={IDLE_MS:,}, batch_size=B)` and a plain `VACUUM`, "
-        f"and after `VACUUM FULL`; 1 key in {args.recent_every} was acquired now and is "
-        "kept. Bytes per counter: the size over the counters it holds.",
+        f"maps) with {args.keys:,} released keys seeded next to the counters of "
+        f"{args.held:,} live locks on other keys (acquired for an hour, kept by "
+        f"compaction), after `VACUUM (ANALYZE)` of both tables; then after "
+        f"`compact_fences(idle_ms={IDLE_MS:,}, batch_size=B)` and a plain `VACUUM`, and "
+        f"after `VACUUM FULL`; 1 key in {args.recent_every} was acquired now and must be "
+        "kept. Bytes per counter: the size over the counters the table holds. Columns as "
+        "in the Redis table.",
         "",
         *compaction_table(runs, postgres=True),
         "",
@@ -843,8 +884,11 @@ def main() -> None:
     parser.add_argument(
         "--recent-every", type=int, default=10, help="1 seeded key in N is recent (kept)"
     )
-    parser.add_argument("--seconds", type=float, default=5.0, help="per cell and scenario")
-    parser.add_argument("--rounds", type=int, default=5, help="the cells alternate this often")
+    parser.add_argument(
+        "--held", type=int, default=1000, help="live locks on other keys during compaction"
+    )
+    parser.add_argument("--seconds", type=float, default=6.0, help="per cell and scenario")
+    parser.add_argument("--rounds", type=int, default=8, help="the cells alternate this often")
     parser.add_argument("--modes", default="1 client,8 processes")
     parser.add_argument("--backends", default="memory,redis,postgres")
     parser.add_argument("--parts", default="compaction,throughput")
