@@ -850,10 +850,12 @@ def csv_ints(text: str) -> list[int]:
 
 HOW = """\
 - **Seeding.** Part 1's counters are not made by a million acquire + release cycles
-  (about an hour on PostgreSQL with fsync): they are written in bulk in the layout the
-  backend leaves after a release. The sample above each table shows a real counter
-  next to seeded ones and their storage per counter; the sample's compaction deletes
-  both alike.
+  (over half an hour on PostgreSQL with fsync): they are written in bulk in the layout
+  the backend leaves after a release, and say so. The sample above each table shows a
+  real counter next to seeded ones and their storage per counter; the sample's
+  compaction must delete both alike. On PostgreSQL the real keys' index is larger: 4
+  threads insert into 4 interleaved key ranges, so B-tree pages split in the middle
+  (one thread in key order gives the seeded size; the heap is the same either way).
 - **Storage.** PostgreSQL: `pg_total_relation_size` of `syncguard_fence_counters`.
   A plain VACUUM makes the deleted rows' space reusable but does not shrink the file
   (the kept rows are spread over every page); VACUUM FULL rewrites the table and its
@@ -906,7 +908,7 @@ def main() -> None:
 
     started = datetime.datetime.now(datetime.UTC)
     out = args.out or ROOT / "bench" / "reports" / f"{started:%Y-%m-%d}-fences.md"
-    command = "python bench/fences.py " + " ".join(sys.argv[1:])
+    command = " ".join(["python bench/fences.py", *sys.argv[1:]])
     t0 = time.monotonic()
     load_start = background()
     report = Report()
