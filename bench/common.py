@@ -35,6 +35,8 @@ class Sample:
     errors: int = 0  # acquire or release raised
     acquire_ns: list[int] = field(default_factory=list)
     release_ns: list[int] = field(default_factory=list)
+    #: Acquire + release of each cycle, in ns (successful attempts only).
+    cycle_ns: list[int] = field(default_factory=list)
     #: Time spent inside this method's calls (interleaved runs only; 0 otherwise).
     busy_ns: int = 0
 
@@ -45,6 +47,7 @@ class Sample:
         self.errors += other.errors
         self.acquire_ns += other.acquire_ns
         self.release_ns += other.release_ns
+        self.cycle_ns += other.cycle_ns
 
 
 def run_client(factory: MethodFactory, client: int, shared: bool, seconds: float) -> Sample:
@@ -139,7 +142,9 @@ def _timed_cycle(acquire: Acquire, release: Release, key: str, sample: Sample) -
     except Exception:
         sample.errors += 1
         return
-    sample.release_ns.append(time.perf_counter_ns() - acquired)
+    released = time.perf_counter_ns()
+    sample.release_ns.append(released - acquired)
+    sample.cycle_ns.append(released - started)
     sample.cycles += 1
 
 
