@@ -67,14 +67,14 @@ HIGHEST_FENCE = "SELECT coalesce(max(fence), 0) FROM syncguard_fence_counters WH
 FENCE_PREFIX = "fence:"
 
 #: The condition under which compaction may delete the counter row ``{c}``: a fence
-#: key it can map to a lock row, no waiter (``{no_waiter}``, the vendor's test of its
-#: queue), last acquired before the cut-off
+#: key it can map to a lock row (``{mapped}``, the vendor's test of the prefix), no
+#: waiter (``{no_waiter}``, the vendor's test of its queue), last acquired before the
+#: cut-off
 #: (first parameter; a NULL time is never before it), and no live lock on the key (a
 #: lock row expiring after ``{live_after}``, an SQL expression that may take
 #: parameters of its own). SQLite adds its queue's condition.
 IDLE_COUNTER = (
-    f"substr({{c}}.fence_key, 1, {len(FENCE_PREFIX)}) = '{FENCE_PREFIX}' "
-    "AND {no_waiter} AND {c}.acquired_at_ms < %s "
+    "{mapped} AND {no_waiter} AND {c}.acquired_at_ms < %s "
     "AND NOT EXISTS (SELECT 1 FROM syncguard_locks l "
     f"WHERE l.key = substr({{c}}.fence_key, {len(FENCE_PREFIX) + 1}) "
     "AND l.expires_at_ms > {live_after})"

@@ -132,8 +132,23 @@ NO_WAITER = (
     f"WHERE w.key = substr({{c}}.fence_key, {len(FENCE_PREFIX) + 1}) "
     "AND w.live_until_ms > t.now_ms))"
 )
-IDLE_P = IDLE_COUNTER.format(c="p", live_after="t.now_ms - %s", no_waiter=NO_WAITER.format(c="p"))
-IDLE_C = IDLE_COUNTER.format(c="c", live_after="t.now_ms - %s", no_waiter=NO_WAITER.format(c="c"))
+# LIKE, not substr(): the planner estimates a LIKE prefix from the column's
+# statistics, and took substr()'s default 0.5% for 100% of the table, choosing a plan
+# that read every live lock for each counter of a batch (bench/fences.py: 532 ms per
+# batch of 2,000 counters; 13 ms with LIKE). No wildcard can occur in the prefix.
+MAPPED = "{c}.fence_key LIKE '" + FENCE_PREFIX + "%%'"
+
+
+def _idle(c: str) -> str:
+    return IDLE_COUNTER.format(
+        c=c,
+        live_after="t.now_ms - %s",
+        mapped=MAPPED.format(c=c),
+        no_waiter=NO_WAITER.format(c=c),
+    )
+
+
+IDLE_P, IDLE_C = _idle("p"), _idle("c")
 
 IDLE_PAGE = f"""
 WITH t AS (SELECT {NOW_MS} AS now_ms),

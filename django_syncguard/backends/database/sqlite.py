@@ -132,7 +132,13 @@ NO_LIVE_TICKET = (
     "AND w.live_until_ms > %s)"
 )
 # Parameters: cut-off, live after (now - tolerance)[, now: with queues].
-IDLE = IDLE_COUNTER.format(c="c", live_after="%s", no_waiter="NOT c.waiters")
+# substr(), not LIKE: SQLite's LIKE ignores case.
+IDLE = IDLE_COUNTER.format(
+    c="c",
+    live_after="%s",
+    mapped=f"substr(c.fence_key, 1, {len(FENCE_PREFIX)}) = '{FENCE_PREFIX}'",
+    no_waiter="NOT c.waiters",
+)
 IDLE_WITH_QUEUE = IDLE + NO_LIVE_TICKET.format(c="c")
 # One page: the counters after the cursor in key order, each with whether it is idle.
 # Parameters: those of the condition, then cursor, floor key, limit + 1.
