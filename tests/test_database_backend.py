@@ -945,3 +945,37 @@ def test_fences_keep_increasing_while_compaction_runs_flat_out(harness_cls):
         assert deleted > 0
     finally:
         h.close()
+
+
+# ------------------------------------------------------------ database routers
+class EverythingToSqlite:
+    """A router that sends every read and write, of every model, to "default" (the
+    SQLite test database): as a site that routes reads to a replica would, taken to
+    the limit."""
+
+    def db_for_read(self, model: Any, **hints: Any) -> str:
+        return "default"
+
+    def db_for_write(self, model: Any, **hints: Any) -> str:
+        return "default"
+
+
+@pytest.mark.django_db(transaction=True, databases=["postgres", "default"])
+def test_routers_never_move_the_locks_off_their_configured_database(settings):
+    # The backend talks to OPTIONS["DATABASE"] through connections of its own, never
+    # through the ORM: DATABASE_ROUTERS cannot send a lock, or its read, elsewhere.
+    settings.DATABASE_ROUTERS = [f"{__name__}.EverythingToSqlite"]
+    backend = observer("postgres")
+    try:
+        result = backend.acquire("routed", 60_000)
+        assert result.fence == "000000000000001"
+        assert backend.lookup(lock_id=result.lock_id).fence == result.fence  # type: ignore[union-attr]
+        with connections["postgres"].cursor() as cursor:
+            cursor.execute("SELECT fence FROM syncguard_locks WHERE key = %s", ["routed"])
+            assert cursor.fetchall() == [(result.fence,)]
+        with connections["default"].cursor() as cursor:
+            cursor.execute("SELECT count(*) FROM syncguard_locks")
+            assert cursor.fetchall() == [(0,)]
+        assert backend.release(result.lock_id).ok is True
+    finally:
+        backend.close()
