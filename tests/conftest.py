@@ -13,9 +13,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import pytest
 from django.conf import settings
@@ -72,13 +73,37 @@ def postgres_server() -> Iterator[PostgresServer]:
         yield server
 
 
-@pytest.fixture
-def pgbouncer(postgres_server: PostgresServer) -> Iterator[PgBouncerServer]:
-    """PgBouncer in transaction mode in front of the session's PostgreSQL; stopped
-    after the test, so its pooled server connections do not outlive it (they would
-    keep the test database from being dropped)."""
-    with running("pgbouncer", PgBouncerServer(postgres_server.port)) as server:
+@pytest.fixture(scope="session")
+def pgbouncer(
+    postgres_server: PostgresServer, django_db_setup: None, django_db_blocker: Any
+) -> Iterator[PgBouncerServer]:
+    """PgBouncer in transaction mode in front of the session's PostgreSQL, for the
+    session. It starts after the test database exists (a test asks for it), so it
+    stops before the database is dropped: its pooled server connections never keep
+    the drop waiting."""
+    with (
+        running("pgbouncer", PgBouncerServer(postgres_server.port)) as server,
+        pytest.MonkeyPatch.context() as patch,
+    ):
+        connection = connections["pgbouncer"]
+        for settings_dict in (settings.DATABASES["pgbouncer"], connection.settings_dict):
+            patch.setitem(settings_dict, "PORT", str(server.port))
+            # The mirror's NAME is the test database's once the tests set up.
+            patch.setitem(settings_dict, "NAME", connections["postgres"].settings_dict["NAME"])
         yield server
+        connection.close()
+    # Its server connections end as PgBouncer exits, asynchronously: wait until the
+    # test database has no other session, or dropping it would fail.
+    with django_db_blocker.unblock(), connections["postgres"].cursor() as cursor:
+        for _ in range(200):
+            cursor.execute(
+                "SELECT count(*) FROM pg_stat_activity "
+                "WHERE datname = current_database() AND pid <> pg_backend_pid()"
+            )
+            if cursor.fetchone()[0] == 0:
+                break
+            time.sleep(0.05)  # polling the server's own view: no event to wait on
+    connections["postgres"].close()  # or this session would keep the drop waiting
 
 
 @pytest.fixture(scope="session")
@@ -150,9 +175,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         callspec = getattr(item, "callspec", None)
         params = callspec.params if callspec else {}
         kind = params.get("harness", params.get("kind"))
-        alias = HARNESS_DATABASES.get(kind) if isinstance(kind, str) else None
-        if alias and item.get_closest_marker("django_db") is None:
-            item.add_marker(pytest.mark.django_db(transaction=True, databases=[alias]))
+        aliases = HARNESS_DATABASES.get(kind) if isinstance(kind, str) else None
+        if aliases and item.get_closest_marker("django_db") is None:
+            item.add_marker(pytest.mark.django_db(transaction=True, databases=aliases))
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -90,6 +90,16 @@ DATABASES = {
         "PORT": "",
         "TEST": {"NAME": "test_syncguard", "DEPENDENCIES": []},
     },
+    # The test database through PgBouncer (transaction pooling): the pgbouncer fixture
+    # starts it and fills in PORT. A mirror: no test database of its own.
+    "pgbouncer": {
+        "ENGINE": "django.db.backends.postgresql",
+        "NAME": "syncguard",
+        "USER": "postgres",
+        "HOST": "127.0.0.1",
+        "PORT": "",
+        "TEST": {"MIRROR": "postgres"},
+    },
     # Nothing listens on port 1: for tests of a dead server (never set up as a test DB).
     "dead": {
         "ENGINE": "django.db.backends.postgresql",

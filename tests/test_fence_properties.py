@@ -24,7 +24,14 @@ from tests.support.harness import (
 TTL = 60_000
 KEYS = 3
 # Examples per backend and mode: the server backends pay a few round trips per step.
-EXAMPLES = {"memory": 200, "sqlite": 40, "postgres": 40, "redis": 40, "firestore": 15}
+EXAMPLES = {
+    "memory": 200,
+    "sqlite": 40,
+    "postgres": 40,
+    "pgbouncer": 20,
+    "redis": 40,
+    "firestore": 15,
+}
 
 KEY = st.integers(0, KEYS - 1)
 # Acquisitions and releases come most often: a compaction or a lost counter matters

@@ -51,7 +51,14 @@ DEFAULT_TIMEOUT_MS = 5_000  # CONNECT_TIMEOUT_MS, OPERATION_TIMEOUT_MS
 TTL = 30_000
 
 # Examples per backend: the server backends pay a few round trips per example.
-EXAMPLES = {"memory": 300, "sqlite": 100, "postgres": 60, "redis": 60, "firestore": 40}
+EXAMPLES = {
+    "memory": 300,
+    "sqlite": 100,
+    "postgres": 60,
+    "pgbouncer": 30,
+    "redis": 60,
+    "firestore": 40,
+}
 
 
 def utf8_size(text: str) -> int:
@@ -282,7 +289,7 @@ def test_any_key_works_or_is_invalid_argument(harness: Harness) -> None:
     """Valid keys (NFC forms included) lock, look up, contend and release exactly;
     every other key is refused with InvalidArgument."""
     backend, fences = harness.backend, {}
-    nul_ok = harness.name != "postgres"  # PostgreSQL text has no NUL
+    nul_ok = harness.name not in ("postgres", "pgbouncer")  # PostgreSQL text has no NUL
     for key in KEY_EXAMPLES:
         check_key(backend, key, fences, nul_ok=nul_ok)
     run_examples(harness, KEYS, lambda key: check_key(backend, key, fences, nul_ok=nul_ok))
@@ -292,7 +299,7 @@ def test_any_key_works_or_is_invalid_argument(harness: Harness) -> None:
 def test_keys_with_nul(harness: Harness, key: str) -> None:
     """NUL is a valid key character (a non-empty str of valid Unicode), except on
     PostgreSQL, whose text type cannot hold it: refused before any I/O there."""
-    if harness.name == "postgres":
+    if harness.name in ("postgres", "pgbouncer"):
         refused({"acquire": lambda: harness.backend.acquire(key, TTL)})
         refused({"is_locked": lambda: harness.backend.is_locked(key)})
         refused({"list_locks": lambda: harness.backend.list_locks(prefix=key)})

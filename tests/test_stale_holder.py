@@ -34,7 +34,12 @@ MARGIN = 500
 F1, F2, F3 = "000000000000001", "000000000000002", "000000000000003"
 
 #: The database that holds the fenced rows, per harness.
-ROWS_DATABASE = {name: "postgres" if name == "postgres" else "default" for name in HARNESSES}
+ROWS_DATABASE = {
+    name: "postgres" if name in ("postgres", "pgbouncer") else "default" for name in HARNESSES
+}
+#: The databases each harness's test touches: its rows' and its locks'.
+DATABASES = {name: [ROWS_DATABASE[name]] for name in HARNESSES}
+DATABASES["pgbouncer"] = ["postgres", "pgbouncer"]
 
 
 def harness_params() -> list[object]:
@@ -44,7 +49,7 @@ def harness_params() -> list[object]:
         pytest.param(
             name,
             id=name,
-            marks=pytest.mark.django_db(transaction=True, databases=[ROWS_DATABASE[name]]),
+            marks=pytest.mark.django_db(transaction=True, databases=DATABASES[name]),
         )
         for name in sorted(HARNESSES)
     ]

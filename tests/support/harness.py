@@ -255,20 +255,41 @@ class PostgresHarness(DatabaseHarness):
     database = "postgres"
 
 
+class PgBouncerHarness(DatabaseHarness):
+    """The database backend on PostgreSQL through PgBouncer in transaction pooling
+    mode (the ``pgbouncer`` alias): what most production sites run."""
+
+    name = "pgbouncer"
+    capabilities = Capabilities("postgres", supports_fencing=True, time_authority="server")
+    database = "pgbouncer"
+
+    def __init__(self, **options: object) -> None:
+        # As the README advises behind a transaction pooler: wake-ups LISTEN on a
+        # direct connection (through PgBouncer, notifications never arrive).
+        super().__init__(**{"LISTEN_DATABASE": "postgres", **options})
+
+
 HARNESSES: dict[str, type[Harness]] = {
     "memory": MemoryHarness,
     "sqlite": SqliteHarness,
     "postgres": PostgresHarness,
+    "pgbouncer": PgBouncerHarness,
     "redis": RedisHarness,
     "firestore": FirestoreHarness,
 }
 
 #: Which DATABASES alias each database-backed harness needs.
-HARNESS_DATABASES = {"sqlite": "default", "postgres": "postgres"}
+HARNESS_DATABASES: dict[str, list[str]] = {
+    "sqlite": ["default"],
+    "postgres": ["postgres"],
+    # A mirror of "postgres": its test database is created through that alias.
+    "pgbouncer": ["postgres", "pgbouncer"],
+}
 
 #: The fixture (tests/conftest.py) of the server each harness needs.
 HARNESS_SERVERS = {
     "postgres": "postgres_server",
+    "pgbouncer": "pgbouncer",
     "redis": "redis_server",
     "firestore": "firestore_emulator",
 }

@@ -79,6 +79,10 @@ class PrivateConnections:
         # Open private connections, weakly: a thread's connection is closed when the
         # thread object goes away (see connection()), and must not be kept alive here.
         self._open: weakref.WeakSet[BaseDatabaseWrapper] = weakref.WeakSet()
+        # Driver connections whose startup settings (our server-side timeouts) did not
+        # reach the server: a transaction pooler dropped them. Each operation on them
+        # sets the timeouts for its own transaction (see run()).
+        self._pooled: weakref.WeakSet[Any] = weakref.WeakSet()
 
     def connection(self) -> BaseDatabaseWrapper:
         """This thread's private connection (created on first use, not yet opened)."""
@@ -90,6 +94,8 @@ class PrivateConnections:
                 bound_replies(wrapper, self.operation_timeout_ms / 1000 + REPLY_MARGIN_S)
             if self.prepare is not None:
                 after_connect(wrapper, self.prepare)
+            if self.operations.over_network:
+                after_connect(wrapper, self._note_pooler)
             self._local.connection = wrapper
             self._open.add(wrapper)
             # Thread-per-request servers start and end threads all the time: close a
@@ -154,6 +160,16 @@ class PrivateConnections:
         self._open = weakref.WeakSet()
         self._local = _PerThread()
 
+    def _note_pooler(self, raw: Any) -> None:
+        if self.operations.startup_settings_lost(raw, self.operation_timeout_ms):
+            logger.info(
+                "Database %r: the server did not get the lock connection's startup "
+                "settings (a transaction pooler?); each operation sets its timeouts "
+                "in its own transaction.",
+                self.database,
+            )
+            self._pooled.add(raw)
+
     def run(self, work: Callable[[Any], T]) -> T:
         """Run ``work(cursor)`` on this thread's connection, mapping driver errors."""
         wrapper = self.connection()
@@ -161,15 +177,27 @@ class PrivateConnections:
             self._reconnect_if_gone(wrapper)
         try:
             if self.direct(wrapper):
-                return work(self._direct_cursor(wrapper))
+                return self._bounded(wrapper, work, self._direct_cursor(wrapper))
             with wrapper.cursor() as cursor:
-                return work(cursor)
+                return self._bounded(wrapper, work, cursor)
         except (DjangoDatabaseError, cast(Any, wrapper).Database.Error) as exc:
             error = map_database_error(exc, self.database)
             if isinstance(error, ServiceUnavailable | NetworkTimeout | Internal):
                 # Reconnect on the next call: the connection may be broken or stuck.
                 close_quietly(wrapper)
             raise error from exc
+
+    def _bounded(self, wrapper: BaseDatabaseWrapper, work: Callable[[Any], T], cursor: Any) -> T:
+        """``work(cursor)``; behind a pooler that dropped our startup settings, inside
+        a transaction that first sets the server-side timeouts for itself alone
+        (``SET LOCAL``: nothing outlives the transaction, so no other client of the
+        pooler's server connection inherits them)."""
+        raw = wrapper.connection
+        if raw is None or raw not in self._pooled:
+            return work(cursor)
+        with raw.transaction():
+            self.operations.set_local_timeouts(cursor, self.operation_timeout_ms)
+            return work(cursor)
 
     def _reconnect_if_gone(self, wrapper: BaseDatabaseWrapper) -> None:
         """Close this thread's idle connection if the server or a proxy has ended it

@@ -147,6 +147,17 @@ class DatabaseOperations(ABC):
         return  # nothing by default
 
     @classmethod
+    def startup_settings_lost(cls, raw: Any, operation_timeout_ms: int) -> bool:
+        """Whether the server runs the new driver connection ``raw`` without the
+        timeouts ``connection_options`` asked for (a pooler dropped them)."""
+        return False
+
+    @classmethod
+    def set_local_timeouts(cls, cursor: Any, operation_timeout_ms: int) -> None:
+        """Set the server-side timeouts for the current transaction only."""
+        return
+
+    @classmethod
     @abstractmethod
     def connection_options(
         cls, options: dict[str, Any], *, connect_timeout_ms: int, operation_timeout_ms: int

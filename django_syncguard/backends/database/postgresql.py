@@ -186,6 +186,17 @@ WHERE c.fence_key = b.fence_key AND c.fence = b.fence AND c.fence_key <> {FLOOR}
 """
 
 
+# The statement timeout the server runs a new connection with, in ms.
+STARTUP_TIMEOUT = "SELECT setting FROM pg_settings WHERE name = 'statement_timeout'"
+# The timeouts of connection_options, for the current transaction only (behind a
+# pooler that dropped the startup settings). Parameters: statement and lock timeouts,
+# idle-in-transaction timeout (ms, as text).
+LOCAL_TIMEOUTS = (
+    "SELECT set_config('statement_timeout', %s, true), set_config('lock_timeout', %s, true), "
+    "set_config('idle_in_transaction_session_timeout', %s, true)"
+)
+
+
 class PostgresOperations(DatabaseOperations):
     """PostgreSQL through psycopg; see the module docstring."""
 
@@ -194,6 +205,22 @@ class PostgresOperations(DatabaseOperations):
     time_authority: ClassVar[TimeAuthority] = "server"
     over_network: ClassVar[bool] = True
     direct_cursor: ClassVar[bool] = True
+
+    @classmethod
+    def startup_settings_lost(cls, raw: Any, operation_timeout_ms: int) -> bool:
+        # One query on each new connection. A pooler in transaction mode (PgBouncer
+        # with ignore_startup_parameters = options) hands the statement to a server
+        # connection it opened itself, without our "-c" settings.
+        with raw.cursor() as cursor:
+            cursor.execute(STARTUP_TIMEOUT)
+            [(setting,)] = cursor.fetchall()
+        raw.rollback()  # the driver opened a transaction; Django sets autocommit next
+        return str(setting) != str(operation_timeout_ms)
+
+    @classmethod
+    def set_local_timeouts(cls, cursor: Any, operation_timeout_ms: int) -> None:
+        ms = str(operation_timeout_ms)
+        cursor.execute(LOCAL_TIMEOUTS, [ms, ms, str(max(operation_timeout_ms, 1000))])
 
     @classmethod
     def connection_options(
