@@ -284,6 +284,8 @@ class RedisServer(InTempRoot):
 
     port: int = 0
     aof: bool = False
+    #: The port of a primary on loopback to replicate (``--replicaof``); 0: a primary.
+    replica_of: int = 0
     root: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="syncguard-redis-")))
     process: subprocess.Popen[bytes] | None = None
     log_name = "server.log"
@@ -313,6 +315,8 @@ class RedisServer(InTempRoot):
             ]
             if self.aof:
                 argv += ["--appendonly", "yes", "--appendfsync", "always"]
+            if self.replica_of:
+                argv += ["--replicaof", "127.0.0.1", str(self.replica_of)]
             self.process = subprocess.Popen(
                 argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
             )

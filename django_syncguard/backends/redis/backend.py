@@ -42,7 +42,7 @@ import json
 import re
 from collections.abc import Iterator, Mapping
 from functools import partial
-from typing import TYPE_CHECKING, Any, ClassVar, cast
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, cast
 
 from django.core import checks
 
@@ -54,13 +54,13 @@ from ...constants import (
     RESERVE_BYTES,
     TIME_TOLERANCE_MS,
 )
-from ...errors import InvalidArgument, LockError
+from ...errors import InvalidArgument, LockError, ServiceUnavailable
 from ...fence_floors import FenceMode, IdleCounter
 from ...fencing import FENCE_MAX, fence_overflow_error, format_fence
 from ...keys import derived, generate_lock_id, make_storage_key
 from ...results import AcquireResult, ExtendResult, LockPage, LockRecord, ReleaseResult
 from ...waiting import WaitTicket, WakeUps
-from ..base import BaseLockBackend
+from ..base import BaseLockBackend, option_ms
 from .client import CLIENT_OPTIONS, RedisClients, map_redis_error, redis_error
 from .scripts import SCRIPTS
 
@@ -87,13 +87,24 @@ RESERVE = RESERVE_BYTES["REDIS"]
 MAX_SCANS_PER_PAGE = 20
 
 _GLOB_SPECIAL = re.compile(r"([\\*?\[\]])")
-#: A compaction cursor: SCAN's cursor, and after a colon the last lock hash done when
-#: that SCAN call's reply was split into several batches.
 
 
 def _glob_escape(text: str) -> str:
     """``text`` as a literal inside a Redis glob pattern."""
     return _GLOB_SPECIAL.sub(r"\\\1", text)
+
+
+#: How long WAIT waits for the replicas, when OPTIONS["WAIT_REPLICAS"] asks for some.
+DEFAULT_WAIT_TIMEOUT_MS = 500
+
+R = TypeVar("R", ReleaseResult, ExtendResult)
+
+
+def _count_option(options: Mapping[str, Any], name: str) -> int:
+    value = options.get(name, 0)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 64:
+        raise InvalidArgument(f"OPTIONS[{name!r}] must be an int from 0 to 64, not {value!r}.")
+    return int(value)
 
 
 class RedisBackend(BaseLockBackend):
@@ -105,7 +116,9 @@ class RedisBackend(BaseLockBackend):
     #: Counters live in memory: a restart without AOF or a failover can lose them, and
     #: clock mode keeps fences increasing anyway (specs/backends/redis.md, Fences).
     default_fence_mode: ClassVar[FenceMode] = "clock"
-    known_options: ClassVar[frozenset[str]] = BaseLockBackend.known_options | CLIENT_OPTIONS
+    known_options: ClassVar[frozenset[str]] = (
+        BaseLockBackend.known_options | CLIENT_OPTIONS | {"WAIT_REPLICAS", "WAIT_TIMEOUT_MS"}
+    )
 
     def __init__(self, alias: str = "default", params: Mapping[str, Any] | None = None) -> None:
         super().__init__(alias, params)
@@ -128,6 +141,15 @@ class RedisBackend(BaseLockBackend):
             scripts=SCRIPTS,
         )
         self._scripts = self.clients.scripts()
+        #: Replicas that must acknowledge each write (``WAIT``); 0: none asked.
+        self.wait_replicas = _count_option(self.options, "WAIT_REPLICAS")
+        self.wait_timeout_ms = option_ms(self.options, "WAIT_TIMEOUT_MS", DEFAULT_WAIT_TIMEOUT_MS)
+        if self.wait_replicas and self.wait_timeout_ms >= self.operation_timeout_ms:
+            raise InvalidArgument(
+                f"OPTIONS['WAIT_TIMEOUT_MS'] ({self.wait_timeout_ms}) must be shorter than "
+                f"OPERATION_TIMEOUT_MS ({self.operation_timeout_ms}): WAIT runs inside the "
+                "operation's time."
+            )
 
     @property
     def client(self) -> redis.Redis:
@@ -169,6 +191,40 @@ class RedisBackend(BaseLockBackend):
             return self._scripts[name](keys=keys, args=args)
         except redis_error() as exc:
             raise map_redis_error(exc, self.alias) from exc
+
+    def _write(self, name: str, keys: list[str], args: list[Any]) -> tuple[Any, int]:
+        """A writing script, then ``WAIT`` on the same connection in the same round
+        trip when replicas must acknowledge (``OPTIONS["WAIT_REPLICAS"]``): the reply,
+        and how many replicas have the write (``wait_replicas`` when none are asked)."""
+        if not self.wait_replicas:
+            return self._call(name, keys, args), 0
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            self._scripts[name](keys=keys, args=args, client=pipe)
+            pipe.execute_command("WAIT", self.wait_replicas, self.wait_timeout_ms)  # type: ignore[no-untyped-call]
+            reply, acks = pipe.execute()
+        except redis_error() as exc:
+            raise map_redis_error(exc, self.alias) from exc
+        return reply, int(acks)
+
+    async def _awrite(self, name: str, keys: list[str], args: list[Any]) -> tuple[Any, int]:
+        if not self.wait_replicas:
+            return await self._acall(name, keys, args), 0
+        scripts = self._async_scripts()
+        try:
+            pipe = scripts["_client"].pipeline(transaction=False)
+            await scripts[name](keys=keys, args=args, client=pipe)
+            pipe.execute_command("WAIT", self.wait_replicas, self.wait_timeout_ms)
+            reply, acks = await pipe.execute()
+        except redis_error() as exc:
+            raise map_redis_error(exc, self.alias) from exc
+        return reply, int(acks)
+
+    def _too_few(self, acks: int, what: str) -> ServiceUnavailable:
+        return ServiceUnavailable(
+            f"Redis ({self.alias!r}): {acks} of the {self.wait_replicas} replicas asked for "
+            f"(WAIT_REPLICAS) acknowledged within {self.wait_timeout_ms} ms; {what}"
+        )
 
     async def _acall(self, name: str, keys: list[str], args: list[Any]) -> Any:
         scripts = self._async_scripts()
@@ -220,13 +276,25 @@ class RedisBackend(BaseLockBackend):
         self, key: str, ttl_ms: int, cancel: CancelToken | None, ticket: WaitTicket | None = None
     ) -> AcquireResult:
         keys, args, lock_id = self._acquire_args(key, ttl_ms, ticket)
-        return self._acquired(self._call("acquire", keys, args), key, lock_id)
+        reply, acks = self._write("acquire", keys, args)
+        result = self._acquired(reply, key, lock_id)
+        if result.ok and acks < self.wait_replicas:
+            # Undo: a lock a failover could lose must not be held by a caller told it
+            # failed. (The undo is best effort: its own failure is the same error.)
+            self._call("release", [self.index_key(lock_id)], [lock_id, TIME_TOLERANCE_MS])
+            raise self._too_few(acks, "the lock was released again.")
+        return result
 
     async def _aacquire(
         self, key: str, ttl_ms: int, cancel: CancelToken | None, ticket: WaitTicket | None = None
     ) -> AcquireResult:
         keys, args, lock_id = self._acquire_args(key, ttl_ms, ticket)
-        return self._acquired(await self._acall("acquire", keys, args), key, lock_id)
+        reply, acks = await self._awrite("acquire", keys, args)
+        result = self._acquired(reply, key, lock_id)
+        if result.ok and acks < self.wait_replicas:
+            await self._acall("release", [self.index_key(lock_id)], [lock_id, TIME_TOLERANCE_MS])
+            raise self._too_few(acks, "the lock was released again.")
+        return result
 
     def _make_wake_ups(self) -> WakeUps:
         from .wakeups import RedisWakeUps
@@ -246,13 +314,25 @@ class RedisBackend(BaseLockBackend):
             return ReleaseResult(ok=True)
         return ReleaseResult(ok=False, reason="expired" if status == 2 else "not-found")
 
+    # A release or an extend cannot be undone: too few acknowledgements say that a
+    # failover now could bring back the released lock, or its earlier expiry.
+    _RELEASE_UNSURE = "released here; a failover now could bring the lock back until its TTL."
+    _EXTEND_UNSURE = "extended here; a failover now could bring back the earlier expiry."
+
     def _release(self, lock_id: str, cancel: CancelToken | None) -> ReleaseResult:
-        reply = self._call("release", [self.index_key(lock_id)], [lock_id, TIME_TOLERANCE_MS])
-        return self._released(reply)
+        keys, args = [self.index_key(lock_id)], [lock_id, TIME_TOLERANCE_MS]
+        reply, acks = self._write("release", keys, args)
+        return self._acked(self._released(reply), acks, self._RELEASE_UNSURE)
 
     async def _arelease(self, lock_id: str, cancel: CancelToken | None) -> ReleaseResult:
         keys, args = [self.index_key(lock_id)], [lock_id, TIME_TOLERANCE_MS]
-        return self._released(await self._acall("release", keys, args))
+        reply, acks = await self._awrite("release", keys, args)
+        return self._acked(self._released(reply), acks, self._RELEASE_UNSURE)
+
+    def _acked(self, result: R, acks: int, what: str) -> R:
+        if result.ok and acks < self.wait_replicas:
+            raise self._too_few(acks, what)
+        return result
 
     @staticmethod
     def _extended(reply: list[Any]) -> ExtendResult:
@@ -263,11 +343,13 @@ class RedisBackend(BaseLockBackend):
 
     def _extend(self, lock_id: str, ttl_ms: int, cancel: CancelToken | None) -> ExtendResult:
         args = [lock_id, TIME_TOLERANCE_MS, ttl_ms]
-        return self._extended(self._call("extend", [self.index_key(lock_id)], args))
+        reply, acks = self._write("extend", [self.index_key(lock_id)], args)
+        return self._acked(self._extended(reply), acks, self._EXTEND_UNSURE)
 
     async def _aextend(self, lock_id: str, ttl_ms: int, cancel: CancelToken | None) -> ExtendResult:
         args = [lock_id, TIME_TOLERANCE_MS, ttl_ms]
-        return self._extended(await self._acall("extend", [self.index_key(lock_id)], args))
+        reply, acks = await self._awrite("extend", [self.index_key(lock_id)], args)
+        return self._acked(self._extended(reply), acks, self._EXTEND_UNSURE)
 
     def _is_locked_args(self, key: str) -> tuple[list[str], list[Any]]:
         guard = CLEANUP_GUARD_MS["server"] if self.cleanup_in_is_locked else 0
