@@ -1,10 +1,12 @@
-"""What the management commands share: argument types and resolving aliases."""
+"""What the management commands share: argument types, resolving aliases, and
+reporting batches as they are deleted."""
 
 from __future__ import annotations
 
 from argparse import ArgumentTypeError
+from collections.abc import Iterable
 
-from django.core.management.base import CommandError
+from django.core.management.base import CommandError, OutputWrapper
 
 from ..constants import MAX_BATCH_SIZE
 from ..contract import FenceKeeper, LockBackend, fence_keeper
@@ -54,3 +56,28 @@ def keeper_of(alias: str) -> FenceKeeper:
     if keeper is None:
         raise CommandError(f"{alias}: {type(backend).__name__} keeps no fence floor.")
     return keeper
+
+
+def count_batches(
+    stdout: OutputWrapper, alias: str, batches: Iterable[int], *, verbosity: int, dry_run: bool
+) -> int:
+    """Sum the per-batch counts of a deleting iterator, printing a line per batch at
+    verbosity 3, or a running count on a terminal (not for a dry run); the running
+    count's line is ended before an error goes on up."""
+    progress = stdout.isatty() and verbosity >= 1 and not dry_run
+    total = 0
+    try:
+        for number, count in enumerate(batches, 1):
+            total += count
+            if verbosity >= 3:
+                stdout.write(f"{alias}: batch {number}: {count}")
+            elif progress:
+                stdout.write(f"\r{alias}: {total} deleted so far", ending="")
+                stdout.flush()
+    except BaseException:
+        if progress:
+            stdout.write("")
+        raise
+    if progress:
+        stdout.write("\r", ending="")
+    return total

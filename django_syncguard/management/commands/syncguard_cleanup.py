@@ -13,7 +13,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from ...constants import CLEANUP_GUARD_MS
 from ...contract import LockBackend
 from ...errors import LockError
-from ..arguments import DEFAULT_BATCH_SIZE, backend_of, batch_size, known_aliases
+from ..arguments import DEFAULT_BATCH_SIZE, backend_of, batch_size, count_batches, known_aliases
 
 
 class Command(BaseCommand):
@@ -50,24 +50,11 @@ class Command(BaseCommand):
         backend = backend_of(alias)
         if verbosity >= 2:
             self.stdout.write(describe(alias, backend, dry_run))
-        progress = self.stdout.isatty() and verbosity >= 1 and not dry_run
-        total = 0
+        batches = backend.delete_expired(batch_size=size, dry_run=dry_run)
         try:
-            for number, count in enumerate(
-                backend.delete_expired(batch_size=size, dry_run=dry_run), 1
-            ):
-                total += count
-                if verbosity >= 3:
-                    self.stdout.write(f"{alias}: batch {number}: {count}")
-                elif progress:
-                    self.stdout.write(f"\r{alias}: {total} deleted so far", ending="")
-                    self.stdout.flush()
+            total = count_batches(self.stdout, alias, batches, verbosity=verbosity, dry_run=dry_run)
         except LockError as exc:
-            if progress:
-                self.stdout.write("")
             raise CommandError(f"{alias}: cleanup failed ({exc.code}): {exc}") from exc
-        if progress:
-            self.stdout.write("\r", ending="")
         if verbosity >= 1:
             self.stdout.write(summary(alias, total, dry_run))
 

@@ -22,7 +22,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from ...errors import LockError
 from ...fence_floors import FLOOR_MAX
-from ..arguments import DEFAULT_BATCH_SIZE, batch_size, keeper_of, known_aliases
+from ..arguments import DEFAULT_BATCH_SIZE, batch_size, count_batches, keeper_of, known_aliases
 
 DAY_MS = 86_400_000
 
@@ -156,22 +156,10 @@ class Command(BaseCommand):
                 f"{alias}: {verb} the fence counters of keys with no live lock, no waiter "
                 f"and no acquisition since {since:%Y-%m-%d %H:%M:%S} UTC."
             )
-        progress = self.stdout.isatty() and verbosity >= 1 and not dry_run
-        total = 0
-        for number, count in enumerate(
-            backend.compact_fences(
-                idle_ms=idle_ms, batch_size=options["batch_size"], dry_run=dry_run
-            ),
-            1,
-        ):
-            total += count
-            if verbosity >= 3:
-                self.stdout.write(f"{alias}: batch {number}: {count}")
-            elif progress:
-                self.stdout.write(f"\r{alias}: {total} deleted so far", ending="")
-                self.stdout.flush()
-        if progress:
-            self.stdout.write("\r", ending="")
+        batches = backend.compact_fences(
+            idle_ms=idle_ms, batch_size=options["batch_size"], dry_run=dry_run
+        )
+        total = count_batches(self.stdout, alias, batches, verbosity=verbosity, dry_run=dry_run)
         if verbosity >= 1:
             noun = "counter" if total == 1 else "counters"
             if dry_run:
