@@ -4,6 +4,8 @@ this module before Django is set up, so models are imported inside the functions
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from typing import Any
 
 from django.db.models import F
 
@@ -15,11 +17,37 @@ from tests.support.workers import setup_django
 PAYMENTS = 15
 
 
+def in_turn(
+    backend: Any,
+    items: list[Any],
+    count: int,
+    section: Callable[[Any], None],
+    *,
+    key_of: Callable[[Any], str],
+) -> None:
+    """``count`` times, ``section(item)`` under the lock of ``key_of(item)``, taking
+    ``items`` in turn; each wait long enough that contention between the test's few
+    processes never ends in a timeout."""
+    from django_syncguard import lock
+
+    for n in range(count):
+        item = items[n % len(items)]
+        lock(
+            lambda item=item: section(item),
+            key=key_of(item),
+            using=backend,
+            ttl_ms=60_000,
+            timeout_ms=60_000,
+            max_retries=1_000_000,
+            retry_delay_ms=2,
+        )
+
+
 def pay(databases, params, pks, barrier, results) -> None:
     """One process: ``PAYMENTS`` locked, fenced payments; reports (pk, fence, written)."""
     try:
         setup_django(databases)
-        from django_syncguard import current_lock, lock
+        from django_syncguard import current_lock
         from tests.testapp.models import Account
 
         backend = RedisBackend("restart", params)
@@ -36,17 +64,7 @@ def pay(databases, params, pks, barrier, results) -> None:
                 log.append((pk, lease.fence, False))
 
         barrier.wait()
-        for n in range(PAYMENTS):
-            pk = pks[n % len(pks)]
-            lock(
-                lambda pk=pk: write(pk),
-                key=f"account:{pk}",
-                using=backend,
-                ttl_ms=30_000,
-                timeout_ms=60_000,
-                max_retries=1_000_000,
-                retry_delay_ms=5,
-            )
+        in_turn(backend, pks, PAYMENTS, write, key_of=lambda pk: f"account:{pk}")
         backend.close()
         results.put(log)
     except BaseException as exc:  # reported, and the test fails with it
@@ -62,7 +80,7 @@ def cycle_keys(databases, entry, environ, keys, iterations, log, barrier, result
         setup_django(databases)
         from django.utils.module_loading import import_string
 
-        from django_syncguard import current_lock, lock
+        from django_syncguard import current_lock
 
         params = dict(entry)
         backend = import_string(params.pop("BACKEND"))("cycler", params)
@@ -74,17 +92,7 @@ def cycle_keys(databases, entry, environ, keys, iterations, log, barrier, result
                 f.write(f"{key} {lease.fence}\n")
 
         barrier.wait()
-        for n in range(iterations):
-            key = keys[n % len(keys)]
-            lock(
-                lambda key=key: section(key),
-                key=key,
-                using=backend,
-                ttl_ms=60_000,
-                timeout_ms=60_000,
-                max_retries=1_000_000,
-                retry_delay_ms=2,
-            )
+        in_turn(backend, keys, iterations, section, key_of=str)
         backend.close()
         results.put(iterations)
     except BaseException as exc:  # reported, and the test fails with it
