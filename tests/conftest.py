@@ -196,17 +196,30 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
             report.sections.append((f"{name}: log (tail)", process.log_tail()))
 
 
+def start_server_of(request: pytest.FixtureRequest, kind: str) -> None:
+    """Start the server the harness ``kind`` needs, if any (a session fixture)."""
+    server = HARNESS_SERVERS.get(kind)
+    if server is not None:
+        request.getfixturevalue(server)
+
+
 @pytest.fixture(params=sorted(HARNESSES))
 def harness(request: pytest.FixtureRequest) -> Iterator[Harness]:
     """A fresh backend of each kind, with time and fence controls, on its server."""
-    server = HARNESS_SERVERS.get(request.param)
-    if server is not None:
-        request.getfixturevalue(server)
+    start_server_of(request, request.param)
     h = HARNESSES[request.param]()
     try:
         yield h
     finally:
         h.close()
+
+
+@pytest.fixture(params=sorted(HARNESSES))
+def kind(request: pytest.FixtureRequest) -> str:
+    """Each harness's name, its server running: for tests that build harnesses of
+    their own, with options (tests/test_fence_floors.py)."""
+    start_server_of(request, request.param)
+    return str(request.param)
 
 
 @pytest.fixture

@@ -9,25 +9,17 @@ from django_syncguard import InvalidArgument
 from django_syncguard.fence_floors import FLOOR_MAX, FenceState, next_fence
 from django_syncguard.fencing import FENCE_MAX
 from django_syncguard.waiting import PATIENCE_MS, WaitTicket
-from tests.support.harness import HARNESS_SERVERS, HARNESSES, Harness
+from tests.support.harness import HARNESSES, Harness
 
 TTL = 60_000
 
 
-@pytest.fixture(params=sorted(HARNESSES))
-def kind(request) -> str:
-    return request.param
-
-
 @pytest.fixture
-def build(request, kind):
+def build(kind):
     """Build harnesses of each kind, with options; all closed after the test."""
     built: list[Harness] = []
 
     def make(**options: object) -> Harness:
-        server = HARNESS_SERVERS.get(kind)
-        if server is not None:
-            request.getfixturevalue(server)
         built.append(HARNESSES[kind](**options))
         return built[-1]
 

@@ -14,7 +14,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.support.harness import (
-    HARNESS_SERVERS,
     HARNESSES,
     Harness,
     MemoryHarness,
@@ -50,14 +49,6 @@ STEPS = st.lists(
     min_size=1,
     max_size=24,
 )
-
-
-@pytest.fixture(params=sorted(HARNESSES))
-def kind(request) -> str:
-    server = HARNESS_SERVERS.get(request.param)
-    if server is not None:
-        request.getfixturevalue(server)
-    return request.param
 
 
 class Model:
