@@ -21,10 +21,12 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from ...errors import LockError
-from ...fence_floors import FLOOR_MAX
+from ...fence_floors import FLOOR_MAX, IDLE_MAX_MS
 from ..arguments import DEFAULT_BATCH_SIZE, batch_size, count_batches, keeper_of, known_aliases
 
 DAY_MS = 86_400_000
+#: Longest --idle-days: what compact_fences accepts (a hundred years).
+MAX_IDLE_DAYS = IDLE_MAX_MS // DAY_MS
 
 
 def floor_value(value: str) -> int:
@@ -44,8 +46,10 @@ def idle_days(value: str) -> float:
         days = float(value)
     except ValueError:
         days = -1.0
-    if not 0 <= days <= 36_500:
-        raise ArgumentTypeError(f"must be a number of days from 0 to 36500, not {value!r}")
+    if not 0 <= days <= MAX_IDLE_DAYS:
+        raise ArgumentTypeError(
+            f"must be a number of days from 0 to {MAX_IDLE_DAYS}, not {value!r}"
+        )
     return days
 
 
