@@ -913,18 +913,25 @@ def test_fences_keep_increasing_while_compaction_runs_flat_out(harness_cls):
     # Compaction with no idle time deletes every released counter it meets, in
     # batches, while three threads take and release their own key: on PostgreSQL its
     # statements fall anywhere inside the acquires (no advisory lock).
+    # Halfway, each thread waits (keys released) until compaction has deleted
+    # something: the second half then acquires over deleted counters, on any scheduling.
     h = harness_cls()
     stop = threading.Event()
+    compacted = threading.Event()
 
     def compact() -> int:
         deleted = 0
         while not stop.is_set():
             deleted += sum(h.backend.compact_fences(idle_ms=0, batch_size=2))
+            if deleted:
+                compacted.set()
         return deleted
 
     def hammer(key: str) -> list[int]:
         fences = []
-        for _ in range(150):
+        for turn in range(150):
+            if turn == 75:
+                assert compacted.wait(timeout=60), "compaction deleted nothing in 60 s"
             result = h.backend.acquire(key, TTL)
             assert result.ok, result
             fences.append(int(result.fence))

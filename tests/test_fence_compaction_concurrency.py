@@ -4,12 +4,14 @@ no key's fence ever goes back (``specs/guarantees.md``, Fence continuity).
 The parent compacts in a loop (idle for 0 ms: any counter whose key is free at that
 moment) while four spawned processes take three keys in turn; each holder appends its
 key and fence to a log from inside its critical section, so the log lists each key's
-holders in the order they held it. Counter mode: there the floor alone carries a
-compacted key's fences.
+holders in the order they held it. Halfway, each process waits (its keys released)
+until compaction has deleted counters, so the second half always runs over compacted
+keys. Counter mode: there the floor alone carries a compacted key's fences.
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import threading
 import uuid
 from collections import defaultdict
@@ -73,6 +75,7 @@ def test_compaction_beside_four_processes_never_sends_a_fence_back(setup, tmp_pa
     observer = import_string(entry["BACKEND"])("compactor", params)
     log = tmp_path / "holders.log"
     stop, deleted, errors = threading.Event(), [], []
+    compacted = multiprocessing.get_context("spawn").Event()
 
     def compact() -> None:
         while not stop.is_set():
@@ -81,13 +84,15 @@ def test_compaction_beside_four_processes_never_sends_a_fence_back(setup, tmp_pa
             except Exception as exc:  # reported below
                 errors.append(exc)
                 return
+            if sum(deleted):
+                compacted.set()
 
     compactor = threading.Thread(target=compact)
     compactor.start()
     try:
         run_in_processes(
             cycle_keys,
-            lambda i: (databases, entry, environ, KEYS, ITERATIONS, str(log)),
+            lambda i: (databases, entry, environ, KEYS, ITERATIONS, str(log), compacted),
             count=PROCESSES,
         )
     finally:

@@ -71,10 +71,13 @@ def pay(databases, params, pks, barrier, results) -> None:
         results.put(exc)
 
 
-def cycle_keys(databases, entry, environ, keys, iterations, log, barrier, results) -> None:
+def cycle_keys(
+    databases, entry, environ, keys, iterations, log, compacted, barrier, results
+) -> None:
     """One process: take ``keys`` in turn ``iterations`` times, appending ``key fence``
     to ``log`` inside each critical section (``O_APPEND``: lines land in the order the
-    holders of one key held it)."""
+    holders of one key held it). Halfway, with its keys released, it waits for the
+    ``compacted`` event: the second half then acquires over compacted counters."""
     try:
         os.environ.update(environ)
         setup_django(databases)
@@ -92,7 +95,11 @@ def cycle_keys(databases, entry, environ, keys, iterations, log, barrier, result
                 f.write(f"{key} {lease.fence}\n")
 
         barrier.wait()
-        in_turn(backend, keys, iterations, section, key_of=str)
+        half = iterations // 2
+        in_turn(backend, keys, half, section, key_of=str)
+        if not compacted.wait(timeout=60):
+            raise AssertionError("compaction deleted nothing in 60 s")
+        in_turn(backend, keys, iterations - half, section, key_of=str)
         backend.close()
         results.put(iterations)
     except BaseException as exc:  # reported, and the test fails with it
