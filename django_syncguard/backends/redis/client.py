@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     import redis
 
 #: The ``OPTIONS`` this module reads (the backend adds them to its known options).
-CLIENT_OPTIONS = frozenset({"MAX_CONNECTIONS", "CLIENT_KWARGS"})
+CLIENT_OPTIONS = frozenset({"MAX_CONNECTIONS", "CLIENT_KWARGS", "SENTINELS", "SENTINEL_KWARGS"})
 DEFAULT_MAX_CONNECTIONS = 50
 
 # Server replies that mean "not now" rather than "wrong".
@@ -133,8 +133,13 @@ class RedisClients:
             "max_connections": max_connections,
             **mapping_option(options, "CLIENT_KWARGS"),
         }
+        self.sentinel = SentinelSettings.parse(location, options, self._kwargs)
         try:
-            self._sync: redis.Redis = redis_py.Redis.from_url(location, **self._kwargs)
+            self._sync: redis.Redis = (
+                redis_py.Redis.from_url(location, **self._kwargs)
+                if self.sentinel is None
+                else self.sentinel.master(redis_py.sentinel, self._kwargs)
+            )
         except ValueError as exc:
             raise InvalidArgument(f"LOCATION {location!r} is not a redis URL: {exc}") from exc
         self._scripts = {name: self._sync.register_script(lua) for name, lua in self._lua.items()}
@@ -156,7 +161,12 @@ class RedisClients:
         loop = asyncio.get_running_loop()
         scripts = self._loops.get(loop)
         if scripts is None:
-            client = _redis().asyncio.Redis.from_url(self.location, **self._kwargs)
+            redis_py = _redis()
+            client = (
+                redis_py.asyncio.Redis.from_url(self.location, **self._kwargs)
+                if self.sentinel is None
+                else self.sentinel.master(redis_py.asyncio.sentinel, self._kwargs)
+            )
             scripts = {name: client.register_script(lua) for name, lua in self._lua.items()}
             scripts["_client"] = client
             self._loops[loop] = scripts
@@ -174,6 +184,8 @@ class RedisClients:
         kwargs = dict(self._kwargs)
         kwargs.pop("single_connection_client", None)  # a Redis() argument, not a pool's
         kwargs.update(max_connections=1, protocol=2, health_check_interval=0)
+        if self.sentinel is not None:
+            return self.sentinel.pool(_redis().sentinel, kwargs)
         return _redis().ConnectionPool.from_url(self.location, **kwargs)
 
     def close(self) -> None:
@@ -188,3 +200,96 @@ class RedisClients:
         scripts = self._loops.pop(asyncio.get_running_loop(), None)
         if scripts is not None:
             await scripts["_client"].aclose()
+
+
+class SentinelSettings:
+    """How an alias reaches its primary through Redis Sentinel: ``LOCATION``
+    ``redis://[user:password@]<service>/<db>`` (``rediss://`` for TLS to the data
+    nodes) with ``OPTIONS["SENTINELS"]`` listing ``(host, port)`` pairs, and
+    ``OPTIONS["SENTINEL_KWARGS"]`` for the connections to the sentinels themselves
+    (their password, TLS...).
+
+    Every connection asks a sentinel for the current primary when it connects, and a
+    connection to a primary demoted since is dropped at its first ``READONLY`` reply
+    (redis-py's ``SentinelManagedConnection``): after a failover, the next operation
+    reaches the new primary; the ones in flight fail as ``ServiceUnavailable``."""
+
+    def __init__(
+        self, service: str, sentinels: list[tuple[str, int]], sentinel_kwargs: dict[str, Any]
+    ) -> None:
+        self.service = service
+        self.sentinels = sentinels
+        self.sentinel_kwargs = sentinel_kwargs
+        self._managers: dict[Any, Any] = {}
+
+    @classmethod
+    def parse(
+        cls, location: str, options: Mapping[str, Any], kwargs: dict[str, Any]
+    ) -> SentinelSettings | None:
+        """The settings of a Sentinel alias (``None`` without ``SENTINELS``); moves the
+        URL's database, credentials and TLS into ``kwargs``, the data nodes' options."""
+        if "SENTINELS" not in options:
+            if "SENTINEL_KWARGS" in options:
+                raise InvalidArgument("OPTIONS['SENTINEL_KWARGS'] needs OPTIONS['SENTINELS'].")
+            return None
+        sentinels = _sentinel_addresses(options["SENTINELS"])
+        try:
+            url = _redis().connection.parse_url(location)
+        except ValueError as exc:
+            raise InvalidArgument(f"LOCATION {location!r} is not a redis URL: {exc}") from exc
+        service = url.pop("host", None)
+        if not service or location.startswith("unix://"):
+            raise InvalidArgument(
+                f"LOCATION {location!r}: with SENTINELS, LOCATION is "
+                "'redis://<service name>/<db>' (the name the sentinels monitor)."
+            )
+        url.pop("port", None)
+        if url.pop("connection_class", None) is not None:  # rediss://
+            url["ssl"] = True
+        kwargs.update(url)
+        # The sentinels get the same timeouts and the same single attempt as the data
+        # nodes: a sentinel that does not answer must not stall an operation.
+        sentinel_kwargs = {
+            key: kwargs[key]
+            for key in ("socket_connect_timeout", "socket_timeout", "retry", "retry_on_error")
+        }
+        sentinel_kwargs.update(mapping_option(options, "SENTINEL_KWARGS"))
+        return cls(service, sentinels, sentinel_kwargs)
+
+    def _manager(self, module: Any) -> Any:
+        """One ``Sentinel`` per redis-py module (sync, asyncio): it holds the clients
+        of the sentinels, shared by every pool of this alias."""
+        manager = self._managers.get(module)
+        if manager is None:
+            manager = module.Sentinel(self.sentinels, sentinel_kwargs=self.sentinel_kwargs)
+            self._managers[module] = manager
+        return manager
+
+    def master(self, module: Any, kwargs: dict[str, Any]) -> Any:
+        """A client of the current primary (``module``: ``redis.sentinel`` or
+        ``redis.asyncio.sentinel``)."""
+        return self._manager(module).master_for(self.service, **kwargs)
+
+    def pool(self, module: Any, kwargs: dict[str, Any]) -> Any:
+        """A new connection pool of the current primary."""
+        return module.SentinelConnectionPool(self.service, self._manager(module), **kwargs)
+
+
+def _sentinel_addresses(value: Any) -> list[tuple[str, int]]:
+    """``OPTIONS["SENTINELS"]`` as ``(host, port)`` pairs, or ``InvalidArgument``."""
+    pairs: list[tuple[str, int]] = []
+    if isinstance(value, list | tuple) and value:
+        for item in value:
+            if not (isinstance(item, list | tuple) and len(item) == 2):
+                break
+            host, port = item
+            if not (isinstance(host, str) and host) or isinstance(port, bool):
+                break
+            if not (isinstance(port, int) and 0 < port < 65536):
+                break
+            pairs.append((host, port))
+        else:
+            return pairs
+    raise InvalidArgument(
+        f"OPTIONS['SENTINELS'] must be a non-empty list of (host, port) pairs, not {value!r}."
+    )
