@@ -30,6 +30,9 @@
                     early; in counter mode fences also go back (clock mode, the
                     default, keeps them above the last one).
 ``syncguard.W011``  (deploy) A backend's server could not be asked about its setup.
+``syncguard.W014``  (deploy) A Redis alias on Sentinel or a Cluster without
+                    ``OPTIONS["WAIT_REPLICAS"]``: a failover can free held locks (and,
+                    in counter mode, send fences back).
 ``syncguard.W012``  (deploy) PostgreSQL: a LISTENing connection does not hear the
                     backend's notifications (a transaction pooler): waiters poll.
 ``syncguard.I020``  (deploy) Firestore: keep the lockId index; an optional TTL policy.
@@ -37,7 +40,7 @@
 
 This module holds the messages about settings as a whole and about ``@locked``
 functions; each backend holds its own (E004, E005, W002, W011 and W012 in the database
-backend, W001 in the memory backend, W010 and W011 in the Redis backend, I020 in the
+backend, W001 in the memory backend, W010, W011 and W014 in the Redis backend, I020 in the
 Firestore backend) and this module asks it: first the class, ``check_settings(alias, params)``,
 for problems that prevent building it; then the built backend, ``backend.check()``
 (and ``backend.deploy_check()`` with ``--deploy``).

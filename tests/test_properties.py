@@ -57,6 +57,7 @@ EXAMPLES = {
     "postgres": 60,
     "pgbouncer": 30,
     "redis": 60,
+    "redis-sentinel": 20,
     "firestore": 40,
 }
 

@@ -183,6 +183,21 @@ class RedisHarness(Harness):
         self.backend.close()
 
 
+class RedisSentinelHarness(RedisHarness):
+    """The Redis backend through Sentinel (a primary, its replica and three sentinels:
+    the ``redis_sentinel`` fixture), which finds the primary for every connection."""
+
+    name = "redis-sentinel"
+    location = ""  # set by the redis_sentinel fixture (tests/conftest.py) while it runs
+    sentinels: ClassVar[list[tuple[str, int]]] = []
+
+    def __init__(self, **options: object) -> None:
+        self.prefix = f"sg{uuid.uuid4().hex[:12]}"
+        options = {"FENCES": "counter", "SENTINELS": self.sentinels, **options}
+        params = {"LOCATION": self.location, "KEY_PREFIX": self.prefix, "OPTIONS": options}
+        self.build(f"contract-{self.prefix}", params, RedisBackend)
+
+
 class FirestoreHarness(Harness):
     """The Firestore backend on the emulator, in collections of its own."""
 
@@ -275,6 +290,7 @@ HARNESSES: dict[str, type[Harness]] = {
     "postgres": PostgresHarness,
     "pgbouncer": PgBouncerHarness,
     "redis": RedisHarness,
+    "redis-sentinel": RedisSentinelHarness,
     "firestore": FirestoreHarness,
 }
 
@@ -291,5 +307,6 @@ HARNESS_SERVERS = {
     "postgres": "postgres_server",
     "pgbouncer": "pgbouncer",
     "redis": "redis_server",
+    "redis-sentinel": "redis_sentinel",
     "firestore": "firestore_emulator",
 }

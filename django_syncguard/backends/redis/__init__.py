@@ -14,13 +14,14 @@ module per concern:
 See ``specs/backends/redis.md``.
 """
 
-from .backend import MAX_SCANS_PER_PAGE, W010, W011, RedisBackend
+from .backend import MAX_SCANS_PER_PAGE, W010, W011, W014, RedisBackend
 from .client import RedisClients, map_redis_error
 
 __all__ = [
     "MAX_SCANS_PER_PAGE",
     "W010",
     "W011",
+    "W014",
     "RedisBackend",
     "RedisClients",
     "map_redis_error",

@@ -78,6 +78,26 @@ W010 = (
     "to recover after such a restart, run 'manage.py syncguard_fences raise-floor'."
 )
 W011 = "Lock backend {alias!r}: could not check the server's setup: {error}"
+W014 = (
+    "Lock backend {alias!r} (fence mode {mode!r}) runs on Redis {topology} without "
+    "OPTIONS WAIT_REPLICAS: a failover can promote a replica that has not received the "
+    "last acquires, and those locks are then free again while their holders still run. "
+    "{fences}"
+)
+W014_FENCES = {
+    "clock": (
+        "Clock fences keep fenced writes safe across it (the new primary's fences start "
+        "from its clock), but unfenced work can overlap."
+    ),
+    "counter": (
+        "In counter mode the promoted replica's counters can also be behind: fenced "
+        "writes to rows written just before the failover are refused as stale."
+    ),
+}
+W014_HINT = (
+    "Set OPTIONS WAIT_REPLICAS (e.g. 1) so that acquire, extend and release return only "
+    "once a replica has them, or accept the overlap (and keep FENCES 'clock')."
+)
 
 LIMIT_BYTES = BACKEND_LIMITS["REDIS"]
 RESERVE = RESERVE_BYTES["REDIS"]
@@ -478,14 +498,27 @@ class RedisBackend(BaseLockBackend):
         return info
 
     def deploy_check(self) -> list[Any]:
+        messages = self._failover_check()
         try:
             info = self.persistence()
         except LockError as exc:
-            return [checks.Warning(W011.format(alias=self.alias, error=exc), id="syncguard.W011")]
+            warning = checks.Warning(W011.format(alias=self.alias, error=exc), id="syncguard.W011")
+            return [warning, *messages]
         if not int(info.get("aof_enabled", 0)):
             message = W010.format(alias=self.alias, mode=self.fence_mode)
-            return [checks.Warning(message, id="syncguard.W010")]
-        return []
+            messages.insert(0, checks.Warning(message, id="syncguard.W010"))
+        return messages
+
+    def _failover_check(self) -> list[Any]:
+        """W014: a topology that fails over (Sentinel, Cluster) without WAIT_REPLICAS."""
+        topology = self.clients.topology
+        if topology == "server" or self.wait_replicas:
+            return []
+        fences = W014_FENCES[self.fence_mode]
+        message = W014.format(
+            alias=self.alias, mode=self.fence_mode, topology=topology.capitalize(), fences=fences
+        )
+        return [checks.Warning(message, hint=W014_HINT, id="syncguard.W014")]
 
     # ------------------------------------------------------ fence continuity
     def _fence_floor(self) -> int:

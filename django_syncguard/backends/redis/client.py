@@ -147,6 +147,11 @@ class RedisClients:
             weakref.WeakKeyDictionary()
         )
 
+    @property
+    def topology(self) -> str:
+        """``"server"`` (one server at ``LOCATION``) or ``"sentinel"``."""
+        return "server" if self.sentinel is None else "sentinel"
+
     def sync(self) -> redis.Redis:
         """The synchronous client (thread-safe: its pool hands each call a connection)."""
         return self._sync
