@@ -278,6 +278,37 @@ class InTempRoot:
             return "(no log)"
 
 
+def redis_binary(name: str) -> str:
+    """The path of ``redis-server`` or ``redis-cli`` (both in Debian's redis-server)."""
+    binary = shutil.which(name)
+    if binary is None:
+        raise ServerUnavailable(f"{name} is not installed (Debian package redis-server)")
+    return binary
+
+
+def listen_on_a_port(server: Any, argv: Callable[[], list[str]], what: str) -> None:
+    """Start ``argv()`` as ``server.process`` and wait until it listens on ``server.port``.
+
+    A server without a port gets a free one; as a port picked free may be taken before
+    the server binds it, that is tried three times with a new port. A server that keeps
+    its port (a restart) gets no other: whoever knows it by its port must find it there.
+    """
+    picked = not server.port
+    for _ in range(3 if picked else 1):
+        server.port = server.port or free_port()
+        server.process = subprocess.Popen(
+            argv(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        try:
+            wait_for_port(server.port, 20)
+            return
+        except ServerUnavailable:
+            server.stop()
+            if picked:
+                server.port = 0
+    raise ServerUnavailable(f"{what} did not start: {server.log_tail()}")
+
+
 @dataclass
 class RedisServer(InTempRoot):
     """A throw-away ``redis-server`` (Debian's package) on a free loopback port."""
@@ -288,15 +319,15 @@ class RedisServer(InTempRoot):
     replica_of: int = 0
     root: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="syncguard-redis-")))
     process: subprocess.Popen[bytes] | None = None
+    #: More ``redis-server`` arguments, after the others (the cluster's ``--cluster-*``).
+    options: tuple[str, ...] = ()
     log_name = "server.log"
 
     def start(self) -> RedisServer:
-        binary = shutil.which("redis-server")
-        if binary is None:
-            raise ServerUnavailable("redis-server is not installed (Debian package redis-server)")
-        for _ in range(3):
-            self.port = self.port or free_port()
-            argv = [
+        binary = redis_binary("redis-server")
+
+        def argv() -> list[str]:
+            args = [
                 binary,
                 "--port",
                 str(self.port),
@@ -314,20 +345,12 @@ class RedisServer(InTempRoot):
                 str(self.root / self.log_name),
             ]
             if self.aof:
-                argv += ["--appendonly", "yes", "--appendfsync", "always"]
+                args += ["--appendonly", "yes", "--appendfsync", "always"]
             if self.replica_of:
-                argv += ["--replicaof", "127.0.0.1", str(self.replica_of)]
-            self.process = subprocess.Popen(
-                argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-            )
-            try:
-                wait_for_port(self.port, 20)
-                break
-            except ServerUnavailable:
-                self.stop()
-                self.port = 0
-        else:
-            raise ServerUnavailable(f"redis-server did not start: {self.log_tail()}")
+                args += ["--replicaof", "127.0.0.1", str(self.replica_of)]
+            return [*args, *self.options]
+
+        listen_on_a_port(self, argv, "redis-server")
         atexit.register(self.stop)
         return self
 
