@@ -2,10 +2,11 @@
 
 The test servers start in session fixtures, when the first test that needs one runs,
 and stop (by their PID) at the end of the session: ``postgres_server``,
-``redis_server`` and ``firestore_emulator``. A test gets its server by asking for
-the fixture, through the ``harness`` fixture, or, for the ``postgres`` database
-alias, through its ``django_db`` marker. When ``CI`` is set, a server that cannot
-start fails the tests that need it; elsewhere they are skipped with the reason.
+``redis_server``, ``redis_sentinel``, ``redis_cluster`` and ``firestore_emulator``. A
+test gets its server by asking for the fixture, through the ``harness`` fixture, or,
+for the ``postgres`` database alias, through its ``django_db`` marker. When ``CI`` is
+set, a server that cannot start fails the tests that need it; elsewhere they are
+skipped with the reason.
 """
 
 from __future__ import annotations
@@ -37,11 +38,21 @@ from tests.support.servers import (
     InTempRoot,
     PgBouncerServer,
     PostgresServer,
+    RedisClusterTopology,
+    RedisSentinelTopology,
     RedisServer,
     start_or_skip,
 )
 
-Server = TypeVar("Server", PostgresServer, RedisServer, FirestoreEmulator, PgBouncerServer)
+Server = TypeVar(
+    "Server",
+    PostgresServer,
+    RedisServer,
+    FirestoreEmulator,
+    PgBouncerServer,
+    RedisSentinelTopology,
+    RedisClusterTopology,
+)
 
 
 @contextmanager
@@ -112,6 +123,21 @@ def redis_server() -> Iterator[RedisServer]:
     with running("redis", RedisServer()) as server, pytest.MonkeyPatch.context() as patch:
         patch.setattr(RedisHarness, "url", server.url)
         yield server
+
+
+@pytest.fixture(scope="session")
+def redis_sentinel() -> Iterator[RedisSentinelTopology]:
+    """The session's Redis Sentinel topology: a primary, its replica, three sentinels.
+    A test that fails it over leaves the other primary for the next."""
+    with running("redis sentinel", RedisSentinelTopology()) as topology:
+        yield topology
+
+
+@pytest.fixture(scope="session")
+def redis_cluster() -> Iterator[RedisClusterTopology]:
+    """The session's Redis Cluster: three primaries with a replica each."""
+    with running("redis cluster", RedisClusterTopology()) as topology:
+        yield topology
 
 
 @pytest.fixture(scope="session")
