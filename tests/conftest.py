@@ -31,6 +31,7 @@ from tests.support.harness import (
     Harness,
     MemoryHarness,
     RedisHarness,
+    RedisSentinelHarness,
 )
 from tests.support.processes import Children
 from tests.support.servers import (
@@ -129,7 +130,12 @@ def redis_server() -> Iterator[RedisServer]:
 def redis_sentinel() -> Iterator[RedisSentinelTopology]:
     """The session's Redis Sentinel topology: a primary, its replica, three sentinels.
     A test that fails it over leaves the other primary for the next."""
-    with running("redis sentinel", RedisSentinelTopology()) as topology:
+    with (
+        running("redis sentinel", RedisSentinelTopology()) as topology,
+        pytest.MonkeyPatch.context() as patch,
+    ):
+        patch.setattr(RedisSentinelHarness, "location", topology.location)
+        patch.setattr(RedisSentinelHarness, "sentinels", topology.sentinels)
         yield topology
 
 

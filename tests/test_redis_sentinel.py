@@ -101,7 +101,7 @@ def test_locks_go_through_the_primary_the_sentinels_name(redis_sentinel):
         assert held.ok
         primary = backend.client.connection_pool.get_master_address()
         assert primary == ("127.0.0.1", redis_sentinel.primary_port())
-        assert backend.lookup(key="through").lock_id == held.lock_id
+        assert backend.lookup(key="through").fence == held.fence
         assert backend.release(held.lock_id).ok
     finally:
         backend.close()

@@ -14,6 +14,8 @@ from tests.support.workers import setup_django
 
 #: How long each holder works under its lock (the work spans failovers now and then).
 HOLD_S = 0.01
+#: The pause after a transient error (four processes spinning would starve the servers).
+TRANSIENT_PAUSE_S = 0.01
 
 
 def fenced_cycles(databases, params, pks, stop, progress, barrier, results) -> None:
@@ -60,6 +62,7 @@ def fenced_cycles(databases, params, pks, stop, progress, barrier, results) -> N
                 )
             except (ServiceUnavailable, NetworkTimeout):
                 transient += 1
+                time.sleep(TRANSIENT_PAUSE_S)  # as a caller would before trying again
             except LockError as exc:  # neither done nor a transient failure
                 others.append(repr(exc))
             with progress.get_lock():
