@@ -29,6 +29,7 @@ from tests.support.harness import (
     HARNESSES,
     Harness,
     MemoryHarness,
+    RedisClusterHarness,
     RedisHarness,
 )
 from tests.support.processes import Children
@@ -40,8 +41,11 @@ from tests.support.servers import (
     RedisServer,
     start_or_skip,
 )
+from tests.support.trial_cluster import TrialCluster
 
-Server = TypeVar("Server", PostgresServer, RedisServer, FirestoreEmulator, PgBouncerServer)
+Server = TypeVar(
+    "Server", PostgresServer, RedisServer, FirestoreEmulator, PgBouncerServer, TrialCluster
+)
 
 
 @contextmanager
@@ -112,6 +116,21 @@ def redis_server() -> Iterator[RedisServer]:
     with running("redis", RedisServer()) as server, pytest.MonkeyPatch.context() as patch:
         patch.setattr(RedisHarness, "url", server.url)
         yield server
+
+
+@pytest.fixture(scope="session")
+def redis_cluster() -> Iterator[TrialCluster]:
+    """The session's Redis Cluster (a trial one until the shared topology lands)."""
+    with running("redis-cluster", TrialCluster()) as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="session")
+def redis_cluster_harness(redis_cluster: TrialCluster) -> Iterator[TrialCluster]:
+    """The session's cluster, named by ``RedisClusterHarness`` while it runs."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(RedisClusterHarness, "url", redis_cluster.startup_url)
+        yield redis_cluster
 
 
 @pytest.fixture(scope="session")

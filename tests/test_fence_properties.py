@@ -29,6 +29,7 @@ EXAMPLES = {
     "postgres": 40,
     "pgbouncer": 20,
     "redis": 40,
+    "redis-cluster": 20,
     "firestore": 15,
 }
 

@@ -45,7 +45,7 @@ def test_list_locks_shows_each_live_lock_once_with_its_record(backend, harness):
 
     keys = listed_keys(pages)
     assert sorted(keys) == ["job:00", "job:01", "job:02", "job:04", "job:05", "job:06"]
-    if harness.name != "redis":  # SCAN order is the server's; the others page by key
+    if not harness.name.startswith("redis"):  # SCAN order is the server's; the others page by key
         assert keys == sorted(keys)
         assert [len(page.records) for page in pages] == [3, 3]
     record = next(r for page in pages for r in page.records if r.key == "job:05")
@@ -130,7 +130,7 @@ def test_delete_expired_works_in_batches(backend, harness):
 
     assert sum(batches) == 5
     assert max(batches) <= 2
-    if harness.name != "redis":  # Redis batches are what each SCAN call returns
+    if not harness.name.startswith("redis"):  # Redis batches are what each SCAN call returns
         assert batches == [2, 2, 1]
 
 

@@ -57,6 +57,7 @@ EXAMPLES = {
     "postgres": 60,
     "pgbouncer": 30,
     "redis": 60,
+    "redis-cluster": 40,
     "firestore": 40,
 }
 

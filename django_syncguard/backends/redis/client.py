@@ -106,7 +106,7 @@ def map_redis_error(exc: BaseException, alias: str) -> LockError:
         error_cls = AuthFailed
     elif isinstance(exc, errors.TimeoutError):
         error_cls = NetworkTimeout
-    elif isinstance(exc, errors.ConnectionError | _cluster_unavailable(errors)) or (
+    elif isinstance(exc, (errors.ConnectionError, *_cluster_unavailable(errors))) or (
         isinstance(exc, errors.ResponseError) and text.startswith(_UNAVAILABLE_REPLIES)
     ):
         error_cls = ServiceUnavailable
