@@ -240,6 +240,19 @@ class RedisClients:
             return self.sentinel.pool(_redis().sentinel, kwargs)
         return _redis().ConnectionPool.from_url(self.location, **kwargs)
 
+    def node_pubsub_pool(self, host: str, port: int) -> Any:
+        """On a cluster, a new pool of one pub/sub connection to the node at
+        ``host:port`` (as :meth:`pubsub_connection_pool`: RESP2, no health check of
+        redis-py's), with the alias's credentials, TLS and timeouts."""
+        redis_py = _redis()
+        kwargs = dict(self._kwargs)
+        kwargs.pop("single_connection_client", None)
+        url = redis_py.connection.parse_url(self.location)
+        kwargs.update(url)
+        kwargs.update(host=host, port=port, max_connections=1, protocol=2)
+        kwargs.update(health_check_interval=0)
+        return redis_py.ConnectionPool(**kwargs)
+
     def close(self) -> None:
         """Close the synchronous client and every loop's asyncio client, each on its loop."""
         self._sync.close()
