@@ -150,7 +150,6 @@ class RedisBackend(BaseLockBackend):
             operation_timeout_ms=self.operation_timeout_ms,
             scripts=CLUSTER_SCRIPTS if self.cluster else SCRIPTS,
         )
-        self._scripts = self.clients.scripts()
         #: Replicas that must acknowledge each write (``WAIT``); 0: none asked.
         self.wait_replicas = _count_option(self.options, "WAIT_REPLICAS")
         self.wait_timeout_ms = option_ms(self.options, "WAIT_TIMEOUT_MS", DEFAULT_WAIT_TIMEOUT_MS)
@@ -160,6 +159,12 @@ class RedisBackend(BaseLockBackend):
                 f"OPERATION_TIMEOUT_MS ({self.operation_timeout_ms}): WAIT runs inside the "
                 "operation's time."
             )
+
+    @property
+    def _scripts(self) -> dict[str, Any]:
+        """The scripts bound to the synchronous client (built first on a cluster)."""
+        self.clients.sync()
+        return self.clients.scripts()
 
     @property
     def client(self) -> redis.Redis:
@@ -241,6 +246,7 @@ class RedisBackend(BaseLockBackend):
             if self.cluster:
                 # WAIT counts the writes of its own connection: the script's, on the
                 # node of the key's slot (a slot moved meanwhile: MOVED, unavailable).
+                await client.initialize()  # the slot map (read once, on first use)
                 node = client.get_node_from_key(keys[0])
                 client = self.clients.async_node_client(node.host, node.port)
             pipe = client.pipeline(transaction=False)

@@ -13,6 +13,7 @@ the server (Sentinel, Cluster) is code in this module only.
 from __future__ import annotations
 
 import asyncio
+import threading
 import weakref
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, cast
@@ -165,28 +166,52 @@ class RedisClients:
         }
         self.cluster = ClusterSettings.parse(location, options)
         self.sentinel = SentinelSettings.parse(location, options, self._kwargs)
-        try:
-            if self.cluster is not None:
-                self._sync = self.cluster.client(redis_py.cluster, self._kwargs)
-            elif self.sentinel is None:
-                self._sync = redis_py.Redis.from_url(location, **self._kwargs)
-            else:
-                self._sync = self.sentinel.master(redis_py.sentinel, self._kwargs)
-        except ValueError as exc:
-            raise InvalidArgument(f"LOCATION {location!r} is not a redis URL: {exc}") from exc
-        self._scripts = {name: self._sync.register_script(lua) for name, lua in self._lua.items()}
+        self._sync: Any = None
+        self._scripts: dict[str, Any] = {}
+        self._building = threading.Lock()
+        if self.cluster is None:  # a cluster client connects as it is built: on first use
+            try:
+                if self.sentinel is None:
+                    self._sync = redis_py.Redis.from_url(location, **self._kwargs)
+                else:
+                    self._sync = self.sentinel.master(redis_py.sentinel, self._kwargs)
+            except ValueError as exc:
+                raise InvalidArgument(f"LOCATION {location!r} is not a redis URL: {exc}") from exc
+            self._register()
         self._loops: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, Any]] = (
             weakref.WeakKeyDictionary()
+        )
+
+    def _register(self) -> None:
+        self._scripts.update(
+            {name: self._sync.register_script(lua) for name, lua in self._lua.items()}
         )
 
     def sync(self) -> redis.Redis:
         """The synchronous client (thread-safe: its pool hands each call a connection);
         a ``redis.cluster.RedisCluster`` on a cluster, typed as ``Redis`` since the
-        backend calls only what both have."""
+        backend calls only what both have. The cluster client is built on first use
+        (it reads the slot map from the startup node as it is built): a cluster that
+        cannot be reached then raises ``ServiceUnavailable``, and the next call tries
+        again."""
+        if self._sync is None:
+            assert self.cluster is not None
+            with self._building:
+                if self._sync is None:
+                    try:
+                        client = self.cluster.client(_redis().cluster, self._kwargs)
+                    except redis_error() as exc:
+                        raise map_redis_error(exc, self.alias) from exc
+                    except ValueError as exc:
+                        message = f"LOCATION {self.location!r} is not a redis URL: {exc}"
+                        raise InvalidArgument(message) from exc
+                    self._sync = client
+                    self._register()
         return cast("redis.Redis", self._sync)
 
     def scripts(self) -> dict[str, Any]:
-        """The scripts, bound to the synchronous client."""
+        """The scripts, bound to the synchronous client (the same dict from first to
+        last: a cluster's are added when its client is built)."""
         return self._scripts
 
     def for_loop(self) -> dict[str, Any]:
@@ -255,7 +280,8 @@ class RedisClients:
 
     def close(self) -> None:
         """Close the synchronous client and every loop's asyncio client, each on its loop."""
-        self._sync.close()
+        if self._sync is not None:
+            self._sync.close()
         loops, self._loops = self._loops, weakref.WeakKeyDictionary()
         for loop, scripts in list(loops.items()):
             for client in [scripts["_client"], *scripts.get("_nodes", {}).values()]:
