@@ -381,13 +381,18 @@ def _spawn_cyclers(children, url, prefix, mode, keys, processes=4):
             stop,
             results,
         )
+    # The parent keeps every shared object until the children have unpickled them.
+    children.shared = (holders, sequence)
     return cycles, stop, results
 
 
-def _wait_cycles(cycles, more: int, timeout_s: float = 60) -> None:
+def _wait_cycles(cycles, results, more: int, timeout_s: float = 120) -> None:
+    """Until the workers made ``more`` cycles; a worker that stopped fails the test."""
     target = cycles.value + more
     deadline = time.monotonic() + timeout_s
     while cycles.value < target:
+        if not results.empty():  # a worker reports only when it stops: here, an error
+            raise AssertionError(results.get())
         assert time.monotonic() < deadline, f"the workers made {cycles.value} of {target} cycles"
         time.sleep(0.01)  # other processes' progress: a shared counter, polled
 
@@ -421,11 +426,12 @@ def test_a_slot_migrated_under_traffic_gives_no_double_holder(ch, redis_cluster)
     children = Children()
     try:
         cycles, stop, results = _spawn_cyclers(children, ch.url, ch.prefix, "counter", keys)
-        _wait_cycles(cycles, 200)
+        _wait_cycles(cycles, results, 200)
         redis_cluster.migrate_slot(slot, target)
-        _wait_cycles(cycles, 200)
+        assert redis_cluster.owner(slot) == target
+        _wait_cycles(cycles, results, 200)
         redis_cluster.migrate_slot(slot, source)  # and back, under traffic again
-        _wait_cycles(cycles, 200)
+        _wait_cycles(cycles, results, 200)
         stop.set()
         held, errors = _collect(results)
     finally:
