@@ -362,6 +362,43 @@ def test_a_release_wakes_a_waiter_through_the_slots_shard_channel(ch):
     assert len(backend.wake_ups._connection.nodes) >= 2
 
 
+def test_a_slot_moving_away_is_a_lost_connection_then_resubscribed(ch, redis_cluster):
+    from django_syncguard.waiting import WaitTicket
+
+    backend = ch.redis
+    key = "{wmove}:k"
+    slot = slots.key_slot(backend.lock_key(key))
+    source = redis_cluster.owner(slot)
+    target = next(p for p in redis_cluster.primaries() if p != source)
+    held = backend.acquire(key, TTL)
+    first = WaitTicket.new()
+    listener = backend.wake_ups.listen(key, first.id)
+    try:
+        assert listener.healthy
+        generation = backend.wake_ups.generation
+        redis_cluster.migrate_slot(slot, target)
+        # The source dropped the shard channel (its sunsubscribe): every waiter is
+        # woken to poll, as after a lost connection; no release happened.
+        assert listener.wait(WAKE_S, None) is True
+        assert backend.wake_ups.generation > generation
+        assert not listener.healthy
+        assert backend.lookup(key=key) is not None  # still held: the wake was the loss
+    finally:
+        listener.close()
+    assert backend.wake_ups.wait_connected(WAKE_S)
+    second = WaitTicket.new()
+    listener = backend.wake_ups.listen(key, second.id)
+    try:
+        assert listener.healthy  # subscribed on the slot's new owner
+        assert not backend.acquire(key, TTL, ticket=second).ok
+        assert backend.release(held.lock_id).ok
+        assert listener.wait(WAKE_S, None) is True
+        assert backend.acquire(key, TTL, ticket=second).ok
+    finally:
+        listener.close()
+        redis_cluster.migrate_slot(slot, source)
+
+
 # --------------------------------------------------- migration and failover
 def _spawn_cyclers(children, url, prefix, mode, keys, processes=4):
     ctx = children.ctx

@@ -30,6 +30,11 @@ housekeeping), ``scripts.py`` (the Lua, one script per operation), ``client.py``
 (the only module that builds connections and maps redis-py's errors) and
 ``wakeups.py`` (the pub/sub subscriber).
 
+On a Redis Cluster (``OPTIONS["CLUSTER"] = True``) the index and the floor carry
+the hash tag of the lock hash's slot (``P#id:{T}<lock id>``, one ``P#floor:{T}`` per
+slot) and lock ids say that slot (:mod:`.slots`); release, extend and lookup by id
+read the index first, then run their script on the index and the hash.
+
 Lock keys all start with ``P:`` and index keys (and the floor) with ``P#``, so no
 user key can land on an index entry or the floor; the fence counter lives inside the
 key's own hash, so no user key can land on another key's counter either. See
