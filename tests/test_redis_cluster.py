@@ -182,6 +182,14 @@ def test_a_bad_listing_cursor_is_refused(ch):
         ch.redis.list_locks(cursor="12")  # a single server's cursor, not a cluster's
 
 
+def test_the_deploy_check_asks_every_primary(ch, redis_cluster):
+    # The trial cluster runs without AOF: the check warns, as on a single server.
+    [warning] = ch.redis.deploy_check()
+    assert warning.id == "syncguard.W010"
+    ports = [int(node.connection_pool.connection_kwargs["port"]) for node in ch.primaries()]
+    assert sorted(ports) == redis_cluster.primaries()
+
+
 # ----------------------------------------------------------------- round trips
 class CountingConnection(redis.connection.Connection):
     """A connection that counts what it sends: one packed send per round trip (a

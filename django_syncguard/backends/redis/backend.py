@@ -621,7 +621,7 @@ class RedisBackend(BaseLockBackend):
         script = self._scripts[name]
         return self._on_slots(
             groups,
-            lambda pipe, slot: script(keys=groups[slot], args=args(groups[slot]), client=pipe),
+            lambda pipe, slot: _queue_script(pipe, script, groups[slot], args(groups[slot])),
             lambda slot: self._call(name, groups[slot], args(groups[slot])),
         )
 
@@ -680,12 +680,14 @@ class RedisBackend(BaseLockBackend):
         return int(seconds) * 1000 + int(micros) // 1000
 
     def persistence(self) -> dict[str, Any]:
-        """``INFO persistence`` of the server (for the deploy check)."""
+        """``INFO persistence`` of the server (for the deploy check); on a cluster, of
+        the primary whose persistence is weakest (``aof_enabled`` 0 if any has it off:
+        that one's counters are those a restart loses)."""
         try:
-            info: dict[str, Any] = self.client.info("persistence")
+            infos: list[dict[str, Any]] = [node.info("persistence") for node in self._scan_nodes()]
         except redis_error() as exc:
             raise map_redis_error(exc, self.alias) from exc
-        return info
+        return min(infos, key=lambda info: int(info.get("aof_enabled", 0)))
 
     def deploy_check(self) -> list[Any]:
         try:
@@ -728,7 +730,7 @@ class RedisBackend(BaseLockBackend):
         script = self._scripts["raise_floor"]
         replies = self._on_slots(
             slot_list,
-            lambda pipe, slot: script(keys=[self.slot_floor_key(slot)], args=[fence], client=pipe),
+            lambda pipe, slot: _queue_script(pipe, script, [self.slot_floor_key(slot)], [fence]),
             lambda slot: self._call("raise_floor", [self.slot_floor_key(slot)], [fence]),
         )
         return [int(reply) for reply in replies]
@@ -794,6 +796,14 @@ class RedisBackend(BaseLockBackend):
             lambda names: [cutoff_ms, TIME_TOLERANCE_MS, *(fences[name] for name in names)],
         )
         return sum(int(reply) for reply in replies)
+
+
+def _queue_script(pipe: Any, script: Any, keys: list[str], args: list[Any]) -> None:
+    """Queue ``script`` on a node's pipeline: the pipeline loads it first if the node
+    lacks it (what ``Script.__call__`` does, without its cost per call: floors queue
+    16,384 of these)."""
+    pipe.scripts.add(script)
+    pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
 
 
 def _parse_idle_cursor(cursor: str | None) -> tuple[tuple[int, int] | None, list[str]]:
