@@ -246,6 +246,32 @@ def test_round_trips_counted_on_the_connections(redis_cluster_harness):
     assert trips["release again"] == [(node, "GET")]  # the index is gone: not found
 
 
+def test_round_trips_with_wait_replicas(redis_cluster_harness):
+    # The script and WAIT go in one send on the slot's node: still one round trip
+    # for acquire, two for release and extend.
+    harness = RedisClusterHarness(
+        CLIENT_KWARGS={"connection_class": CountingConnection}, WAIT_REPLICAS=1
+    )
+    backend = harness.redis
+    try:
+        warm = backend.acquire("trips:wait", TTL)
+        backend.release(warm.lock_id)
+        CountingConnection.sent.clear()
+        held = backend.acquire("trips:wait", TTL)
+        acquire = list(CountingConnection.sent)
+        CountingConnection.sent.clear()
+        assert backend.extend(held.lock_id, TTL).ok
+        extend = list(CountingConnection.sent)
+        CountingConnection.sent.clear()
+        assert backend.release(held.lock_id).ok
+        release = list(CountingConnection.sent)
+    finally:
+        harness.close()
+    node = node_of(backend, backend.lock_key("trips:wait"))
+    assert acquire == [(node, "EVALSHA")]
+    assert extend == release == [(node, "GET"), (node, "EVALSHA")]
+
+
 # ---------------------------------------------------------------- fence floors
 def test_the_floor_is_per_slot_and_reported_as_the_smallest(ch):
     backend = ch.redis

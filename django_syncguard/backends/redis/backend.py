@@ -67,7 +67,14 @@ from ...results import AcquireResult, ExtendResult, LockPage, LockRecord, Releas
 from ...waiting import WaitTicket, WakeUps
 from ..base import BaseLockBackend, option_ms
 from . import slots
-from .client import CLIENT_OPTIONS, RedisClients, map_redis_error, redirect_errors, redis_error
+from .client import (
+    CLIENT_OPTIONS,
+    RedisClients,
+    map_redis_error,
+    no_script_error,
+    redirect_errors,
+    redis_error,
+)
 from .scripts import CLUSTER_SCRIPTS, SCRIPTS
 
 if TYPE_CHECKING:
@@ -233,19 +240,34 @@ class RedisBackend(BaseLockBackend):
         and how many replicas have the write (``wait_replicas`` when none are asked)."""
         if not self.wait_replicas:
             return self._call(name, keys, args), 0
+        script = self._scripts[name]
         try:
-            pipe = self._node_client(keys[0]).pipeline(transaction=False)
-            self._scripts[name](keys=keys, args=args, client=pipe)
-            pipe.execute_command("WAIT", self.wait_replicas, self.wait_timeout_ms)  # type: ignore[no-untyped-call]
-            reply, acks = pipe.execute()
+            client = self._node_client(keys[0])
+            pipe = self._wait_pipeline(client, script, keys, args)
+            replies = pipe.execute(raise_on_error=False)
+            if isinstance(replies[0], no_script_error()):
+                # The script did not run (a restarted server, SCRIPT FLUSH): load it,
+                # send the pair again.
+                client.script_load(script.script)
+                replies = self._wait_pipeline(client, script, keys, args).execute()
+            return _waited(replies)
         except redis_error() as exc:
             raise map_redis_error(exc, self.alias) from exc
-        return reply, int(acks)
+
+    def _wait_pipeline(self, client: Any, script: Any, keys: list[str], args: list[Any]) -> Any:
+        """The script and ``WAIT`` queued on one pipeline of ``client``: one round trip.
+        (Not ``Script.__call__`` on the pipeline: its ``SCRIPT EXISTS`` before each
+        execution is a round trip of its own.)"""
+        pipe = client.pipeline(transaction=False)
+        pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+        pipe.execute_command("WAIT", self.wait_replicas, self.wait_timeout_ms)
+        return pipe
 
     async def _awrite(self, name: str, keys: list[str], args: list[Any]) -> tuple[Any, int]:
         if not self.wait_replicas:
             return await self._acall(name, keys, args), 0
         scripts = self._async_scripts()
+        script = scripts[name]
         try:
             client = scripts["_client"]
             if self.cluster:
@@ -254,13 +276,15 @@ class RedisBackend(BaseLockBackend):
                 await client.initialize()  # the slot map (read once, on first use)
                 node = client.get_node_from_key(keys[0])
                 client = self.clients.async_node_client(node.host, node.port)
-            pipe = client.pipeline(transaction=False)
-            await scripts[name](keys=keys, args=args, client=pipe)
-            pipe.execute_command("WAIT", self.wait_replicas, self.wait_timeout_ms)
-            reply, acks = await pipe.execute()
+            replies = await self._wait_pipeline(client, script, keys, args).execute(
+                raise_on_error=False
+            )
+            if isinstance(replies[0], no_script_error()):
+                await client.script_load(script.script)
+                replies = await self._wait_pipeline(client, script, keys, args).execute()
+            return _waited(replies)
         except redis_error() as exc:
             raise map_redis_error(exc, self.alias) from exc
-        return reply, int(acks)
 
     def _node_client(self, key: str) -> redis.Redis:
         """The client for a pipeline that must stay on one connection (a script and its
@@ -796,6 +820,14 @@ class RedisBackend(BaseLockBackend):
             lambda names: [cutoff_ms, TIME_TOLERANCE_MS, *(fences[name] for name in names)],
         )
         return sum(int(reply) for reply in replies)
+
+
+def _waited(replies: list[Any]) -> tuple[Any, int]:
+    """(the script's reply, the replicas WAIT counted) of a script + WAIT pipeline."""
+    for reply in replies:
+        if isinstance(reply, Exception):
+            raise reply
+    return replies[0], int(replies[1])
 
 
 def _queue_script(pipe: Any, script: Any, keys: list[str], args: list[Any]) -> None:

@@ -91,6 +91,12 @@ def redirect_errors() -> tuple[type[Exception], ...]:
     return (errors.AskError, errors.TryAgainError)
 
 
+def no_script_error() -> type[Exception]:
+    """redis-py's ``NOSCRIPT`` reply: the script is not loaded on that server."""
+    error: type[Exception] = _redis().exceptions.NoScriptError
+    return error
+
+
 def map_redis_error(exc: BaseException, alias: str) -> LockError:
     """The ``LockError`` for a redis-py exception."""
     redis = _redis()
