@@ -2,10 +2,11 @@
 
 The test servers start in session fixtures, when the first test that needs one runs,
 and stop (by their PID) at the end of the session: ``postgres_server``,
-``redis_server`` and ``firestore_emulator``. A test gets its server by asking for
-the fixture, through the ``harness`` fixture, or, for the ``postgres`` database
-alias, through its ``django_db`` marker. When ``CI`` is set, a server that cannot
-start fails the tests that need it; elsewhere they are skipped with the reason.
+``redis_server``, ``redis_sentinel``, ``redis_cluster`` and ``firestore_emulator``. A
+test gets its server by asking for the fixture, through the ``harness`` fixture, or,
+for the ``postgres`` database alias, through its ``django_db`` marker. When ``CI`` is
+set, a server that cannot start fails the tests that need it; elsewhere they are
+skipped with the reason.
 """
 
 from __future__ import annotations
@@ -38,13 +39,20 @@ from tests.support.servers import (
     InTempRoot,
     PgBouncerServer,
     PostgresServer,
+    RedisClusterTopology,
+    RedisSentinelTopology,
     RedisServer,
     start_or_skip,
 )
-from tests.support.trial_cluster import TrialCluster
 
 Server = TypeVar(
-    "Server", PostgresServer, RedisServer, FirestoreEmulator, PgBouncerServer, TrialCluster
+    "Server",
+    PostgresServer,
+    RedisServer,
+    FirestoreEmulator,
+    PgBouncerServer,
+    RedisSentinelTopology,
+    RedisClusterTopology,
 )
 
 
@@ -119,14 +127,22 @@ def redis_server() -> Iterator[RedisServer]:
 
 
 @pytest.fixture(scope="session")
-def redis_cluster() -> Iterator[TrialCluster]:
-    """The session's Redis Cluster (a trial one until the shared topology lands)."""
-    with running("redis-cluster", TrialCluster()) as cluster:
-        yield cluster
+def redis_sentinel() -> Iterator[RedisSentinelTopology]:
+    """The session's Redis Sentinel topology: a primary, its replica, three sentinels.
+    A test that fails it over leaves the other primary for the next."""
+    with running("redis sentinel", RedisSentinelTopology()) as topology:
+        yield topology
 
 
 @pytest.fixture(scope="session")
-def redis_cluster_harness(redis_cluster: TrialCluster) -> Iterator[TrialCluster]:
+def redis_cluster() -> Iterator[RedisClusterTopology]:
+    """The session's Redis Cluster: three primaries with a replica each."""
+    with running("redis cluster", RedisClusterTopology()) as topology:
+        yield topology
+
+
+@pytest.fixture(scope="session")
+def redis_cluster_harness(redis_cluster: RedisClusterTopology) -> Iterator[RedisClusterTopology]:
     """The session's cluster, named by ``RedisClusterHarness`` while it runs."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(RedisClusterHarness, "url", redis_cluster.startup_url)

@@ -278,6 +278,37 @@ class InTempRoot:
             return "(no log)"
 
 
+def redis_binary(name: str) -> str:
+    """The path of ``redis-server`` or ``redis-cli`` (both in Debian's redis-server)."""
+    binary = shutil.which(name)
+    if binary is None:
+        raise ServerUnavailable(f"{name} is not installed (Debian package redis-server)")
+    return binary
+
+
+def listen_on_a_port(server: Any, argv: Callable[[], list[str]], what: str) -> None:
+    """Start ``argv()`` as ``server.process`` and wait until it listens on ``server.port``.
+
+    A server without a port gets a free one; as a port picked free may be taken before
+    the server binds it, that is tried three times with a new port. A server that keeps
+    its port (a restart) gets no other: whoever knows it by its port must find it there.
+    """
+    picked = not server.port
+    for _ in range(3 if picked else 1):
+        server.port = server.port or free_port()
+        server.process = subprocess.Popen(
+            argv(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        try:
+            wait_for_port(server.port, 20)
+            return
+        except ServerUnavailable:
+            server.stop()
+            if picked:
+                server.port = 0
+    raise ServerUnavailable(f"{what} did not start: {server.log_tail()}")
+
+
 @dataclass
 class RedisServer(InTempRoot):
     """A throw-away ``redis-server`` (Debian's package) on a free loopback port."""
@@ -288,15 +319,15 @@ class RedisServer(InTempRoot):
     replica_of: int = 0
     root: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="syncguard-redis-")))
     process: subprocess.Popen[bytes] | None = None
+    #: More ``redis-server`` arguments, after the others (the cluster's ``--cluster-*``).
+    options: tuple[str, ...] = ()
     log_name = "server.log"
 
     def start(self) -> RedisServer:
-        binary = shutil.which("redis-server")
-        if binary is None:
-            raise ServerUnavailable("redis-server is not installed (Debian package redis-server)")
-        for _ in range(3):
-            self.port = self.port or free_port()
-            argv = [
+        binary = redis_binary("redis-server")
+
+        def argv() -> list[str]:
+            args = [
                 binary,
                 "--port",
                 str(self.port),
@@ -314,20 +345,12 @@ class RedisServer(InTempRoot):
                 str(self.root / self.log_name),
             ]
             if self.aof:
-                argv += ["--appendonly", "yes", "--appendfsync", "always"]
+                args += ["--appendonly", "yes", "--appendfsync", "always"]
             if self.replica_of:
-                argv += ["--replicaof", "127.0.0.1", str(self.replica_of)]
-            self.process = subprocess.Popen(
-                argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-            )
-            try:
-                wait_for_port(self.port, 20)
-                break
-            except ServerUnavailable:
-                self.stop()
-                self.port = 0
-        else:
-            raise ServerUnavailable(f"redis-server did not start: {self.log_tail()}")
+                args += ["--replicaof", "127.0.0.1", str(self.replica_of)]
+            return [*args, *self.options]
+
+        listen_on_a_port(self, argv, "redis-server")
         atexit.register(self.stop)
         return self
 
@@ -351,6 +374,440 @@ class RedisServer(InTempRoot):
             self.process.kill()
             self.process.wait(10)
         self.process = None
+
+
+# -- Redis topologies: Sentinel and Cluster, made of RedisServer processes -----------
+#: How long a topology may take to settle (start, failover, resharding) before the
+#: wait gives up: Sentinel's leader election may need a second round (10 s later),
+#: a cluster's failure detection a few node timeouts.
+SETTLE_S = 60.0
+
+
+def redis_client(port: int, *, decode: bool = True) -> Any:
+    """A redis-py client of 127.0.0.1:``port`` with timeouts on connecting and on every
+    reply, so that a hung server fails a wait instead of hanging it."""
+    import redis
+
+    return redis.Redis(
+        host="127.0.0.1",
+        port=port,
+        socket_connect_timeout=2,
+        socket_timeout=10,  # above MIGRATE's own timeout (MIGRATE_TIMEOUT_MS)
+        decode_responses=decode,
+        protocol=2,  # flat RESP2 replies (pairs, lists), whatever redis-py's default
+    )
+
+
+def ask(port: int, *command: Any, decode: bool = True) -> Any:
+    """The raw reply of one command to 127.0.0.1:``port``, on a connection of its own."""
+    with redis_client(port, decode=decode) as client:
+        return client.execute_command(*command)
+
+
+def poll(check: Callable[[], Any], what: str, timeout_s: float = SETTLE_S) -> Any:
+    """``check()``'s first truthy result, asked every 50 ms until ``timeout_s``. A server
+    that refuses or drops the connection meanwhile (one just killed or restarted)
+    counts as not yet; past the deadline: ``ServerUnavailable`` naming ``what``."""
+    import redis
+
+    deadline = time.monotonic() + timeout_s
+    error: Exception | None = None
+    while True:
+        try:
+            result = check()
+            if result:
+                return result
+        except (redis.RedisError, OSError) as exc:
+            error = exc
+        if time.monotonic() > deadline:
+            raise ServerUnavailable(f"{what}: not after {timeout_s} s (last error: {error})")
+        time.sleep(0.05)  # the servers' own state: no event to wait on
+
+
+def pairs(flat: list[Any]) -> dict[str, Any]:
+    """A reply of alternating field names and values (``SENTINEL REPLICAS``' entries)."""
+    return dict(zip(flat[::2], flat[1::2], strict=True))
+
+
+#: ``redis-server`` options of every topology's data servers: a primary sends a
+#: (re)starting replica its data at once, not 5 s later in case more replicas come.
+TOPOLOGY_OPTIONS = ("--repl-diskless-sync-delay", "0")
+
+
+def replica_linked(port: int, primary: int) -> bool:
+    """Whether the server on ``port`` replicates ``primary`` over a link that is up."""
+    with redis_client(port) as client:
+        info = client.info("replication")
+    return info.get("master_port") == primary and info.get("master_link_status") == "up"
+
+
+def role(port: int) -> str:
+    """``ROLE``'s first word: ``master`` or ``slave``."""
+    return str(ask(port, "ROLE")[0])
+
+
+@dataclass
+class RedisSentinel(InTempRoot):
+    """One ``redis-server <conf> --sentinel`` (Debian's redis-sentinel package is the
+    same binary in the same mode), watching the primary its config names."""
+
+    #: The ``sentinel ...`` lines of its config (the monitor and its timings).
+    directives: str
+    root: Path
+    port: int = 0
+    process: subprocess.Popen[bytes] | None = None
+    log_name = "sentinel.log"
+
+    def start(self) -> RedisSentinel:
+        binary = redis_binary("redis-server")
+
+        def argv() -> list[str]:
+            # Written anew for each port tried; Sentinel rewrites it as it learns
+            # (its ID, the replicas and other sentinels it found), hence its own file.
+            config = self.root / "sentinel.conf"
+            config.write_text(
+                f"port {self.port}\nbind 127.0.0.1\nprotected-mode no\n"
+                f"dir {self.root}\nlogfile {self.root / self.log_name}\n{self.directives}"
+            )
+            return [binary, str(config), "--sentinel"]
+
+        listen_on_a_port(self, argv, "redis sentinel")
+        atexit.register(self.stop)
+        return self
+
+    def stop(self) -> None:
+        terminate(self.process)
+        self.process = None
+
+
+def subdir(root: Path, name: str) -> Path:
+    path = root / name
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+class Topology(InTempRoot):
+    """What a topology of several processes in one temporary ``root`` shares: a log
+    tail made of each member's (a failed test shows them all)."""
+
+    tail_chars = 600  # per member
+
+    def members(self) -> list[InTempRoot]:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        for member in self.members():  # each by the PID it started
+            member.stop()
+
+    def log_tail(self) -> str:
+        return "\n".join(
+            f"--- {member.root.name}:\n{member.log_tail()[-self.tail_chars :]}"
+            for member in self.members()
+        )
+
+
+@dataclass
+class RedisSentinelTopology(Topology):
+    """A primary, its replica and three sentinels (quorum 2) watching them, on
+    loopback. ``failover`` crashes the primary and brings it back as the replica, as
+    often as a test likes: ``servers`` knows which server is on which port."""
+
+    service: str = "syncguard"
+    #: Above Sentinel's PING period (1 s) by a margin. At 1000 (so a PING period of
+    #: 1000 too) the primary a failover has just switched to is marked down in the
+    #: very tick that sends it its first PING, now and then; with the votes the other
+    #: sentinels gave on the crashed one still counted (for 5 s), that is a quorum, and
+    #: a second failover follows (about 1 in 6 failovers here).
+    down_after_ms: int = 2000
+    failover_timeout_ms: int = 5000
+    root: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="syncguard-sent-")))
+    #: The two data servers by port; which is the primary changes with each failover.
+    servers: dict[int, RedisServer] = field(default_factory=dict)
+    sentinel_servers: list[RedisSentinel] = field(default_factory=list)
+
+    def members(self) -> list[InTempRoot]:
+        return [*self.sentinel_servers, *self.servers.values()]
+
+    def start(self) -> RedisSentinelTopology:
+        primary = RedisServer(root=subdir(self.root, "a"), options=TOPOLOGY_OPTIONS).start()
+        self.servers[primary.port] = primary
+        replica = RedisServer(
+            root=subdir(self.root, "b"), replica_of=primary.port, options=TOPOLOGY_OPTIONS
+        )
+        self.servers[replica.start().port] = replica
+        # In sync first: the sentinels' first look at the primary then finds the replica.
+        poll(lambda: replica_linked(replica.port, primary.port), "the replica's link")
+        for n in range(3):
+            sentinel = RedisSentinel(self._directives(primary.port), subdir(self.root, f"s{n}"))
+            self.sentinel_servers.append(sentinel.start())
+        self._wait_steady(primary.port, replica.port)
+        atexit.register(self.stop)
+        return self
+
+    def _directives(self, primary: int) -> str:
+        name = self.service
+        return (
+            f"sentinel monitor {name} 127.0.0.1 {primary} 2\n"
+            f"sentinel down-after-milliseconds {name} {self.down_after_ms}\n"
+            f"sentinel failover-timeout {name} {self.failover_timeout_ms}\n"
+            "sentinel resolve-hostnames no\n"
+        )
+
+    @property
+    def sentinels(self) -> list[tuple[str, int]]:
+        return [("127.0.0.1", sentinel.port) for sentinel in self.sentinel_servers]
+
+    @property
+    def location(self) -> str:
+        """A ``LOCATION`` naming the service, whose primary the sentinels tell."""
+        return f"redis://{self.service}/0"
+
+    def primary_port(self) -> int:
+        """The primary's port, as the first sentinel that answers tells it."""
+        import redis
+
+        for _, port in self.sentinels:
+            try:
+                return int(ask(port, "SENTINEL", "GET-MASTER-ADDR-BY-NAME", self.service)[1])
+            except (redis.RedisError, OSError, TypeError):
+                continue  # that one is down, or knows no primary (TypeError: a nil)
+        raise ServerUnavailable(f"no sentinel tells the primary of {self.service}")
+
+    def failover(self, kill: bool = True) -> int:
+        """Fail over to the replica; return the new primary's port.
+
+        ``kill``: SIGKILL the primary (a crash), then restart it on its port as the new
+        primary's replica (about 8 s in all here). Otherwise: ``SENTINEL FAILOVER`` (a
+        planned switch), after which the sentinels make the old primary a replica
+        themselves, at their own pace (about 20 s). Either way it returns once the
+        topology is steady again (see ``_wait_steady``)."""
+        old = self.primary_port()
+        if kill:
+            self.servers[old].kill()
+        else:
+            ask(self.sentinels[0][1], "SENTINEL", "FAILOVER", self.service)
+        new = poll(lambda: self._new_primary(old), f"a primary other than {old}")
+        self.servers[old].replica_of = new
+        if kill:
+            self.servers[old].start()  # same port and directory: the sentinels know it
+        self._wait_steady(new, old)
+        return int(new)
+
+    def _new_primary(self, old: int) -> int | None:
+        """The port of a primary other than ``old`` that a sentinel names and that
+        says it is one (the sentinel may name it a moment before its promotion)."""
+        port = self.primary_port()
+        return port if port != old and role(port) == "master" else None
+
+    def _wait_steady(self, primary: int, replica: int) -> None:
+        """Wait until the replica is in sync and every sentinel sees the same: the
+        primary up, that one replica linked, the two other sentinels. Then no failover
+        is under way, and the next one has a replica to promote."""
+        poll(lambda: replica_linked(replica, primary), f"{replica} replicating {primary}")
+        for _, port in self.sentinels:
+            poll(lambda p=port: self._sees(p, primary, replica), f"sentinel {port}'s view")
+
+    def _sees(self, sentinel: int, primary: int, replica: int) -> bool:
+        """Whether ``sentinel`` sees the steady state. The others' flags must be bare
+        ``sentinel``: after a failover their ``master_down`` votes on the crashed
+        primary linger 5 s, and would count toward the next one's quorum."""
+        name = self.service
+        master = pairs(ask(sentinel, "SENTINEL", "MASTER", name))
+        replicas = [pairs(r) for r in ask(sentinel, "SENTINEL", "REPLICAS", name)]
+        others = [pairs(s) for s in ask(sentinel, "SENTINEL", "SENTINELS", name)]
+        return (
+            int(master["port"]) == primary
+            and master["flags"] == "master"  # no s_down, o_down, failover_in_progress
+            and [(int(r["port"]), r["flags"], r["master-link-status"]) for r in replicas]
+            == [(replica, "slave", "ok")]
+            and len(others) == 2
+            and all(s["flags"] == "sentinel" for s in others)
+        )
+
+
+@dataclass(frozen=True)
+class ClusterNode:
+    """One line of ``CLUSTER NODES``."""
+
+    id: str
+    port: int
+    flags: frozenset[str]
+    primary_id: str  # "-" for a primary
+    connected: bool
+
+    @classmethod
+    def parse(cls, line: str) -> ClusterNode:
+        node_id, address, flags, primary_id, _, _, _, link, *_ = line.split()
+        port = int(address.split("@")[0].rsplit(":", 1)[1])
+        return cls(node_id, port, frozenset(flags.split(",")), primary_id, link == "connected")
+
+
+def cluster_nodes(port: int) -> list[ClusterNode]:
+    return [ClusterNode.parse(line) for line in ask(port, "CLUSTER", "NODES").splitlines()]
+
+
+def slot_map(port: int) -> list[tuple[int, int, int]]:
+    """The slot ranges and their primaries' ports, as the node on ``port`` sees them
+    (``CLUSTER SLOTS``, what cluster clients read)."""
+    return sorted(
+        (start, end, primary[1]) for start, end, primary, *_ in ask(port, "CLUSTER", "SLOTS")
+    )
+
+
+@dataclass
+class RedisClusterTopology(Topology):
+    """A Redis Cluster of three primaries with one replica each, on loopback: six
+    ``redis-server --cluster-enabled yes``, joined by ``redis-cli --cluster create``."""
+
+    node_timeout_ms: int = 2000
+    root: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="syncguard-clu-")))
+    #: The six nodes by port; a failover swaps the roles, never the ports.
+    nodes: dict[int, RedisServer] = field(default_factory=dict)
+
+    #: ``MIGRATE``'s timeout, and how many keys each one moves (redis-cli's default).
+    MIGRATE_TIMEOUT_MS: ClassVar[int] = 5000
+    MIGRATE_BATCH: ClassVar[int] = 10
+
+    def members(self) -> list[InTempRoot]:
+        return list(self.nodes.values())
+
+    def start(self) -> RedisClusterTopology:
+        cli = redis_binary("redis-cli")
+        for n in range(6):
+            node = self._node(subdir(self.root, f"node-{n}"))
+            self.nodes[node.start().port] = node
+        # redis-cli makes the first three primaries and gives each a replica.
+        addresses = [f"127.0.0.1:{port}" for port in self.nodes]
+        created = subprocess.run(
+            [cli, "--cluster", "create", *addresses, "--cluster-replicas", "1", "--cluster-yes"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        if created.returncode != 0:
+            raise ServerUnavailable(f"redis-cli --cluster create failed: {created.stdout[-2000:]}")
+        self._wait_steady()
+        atexit.register(self.stop)
+        return self
+
+    def _node(self, root: Path) -> RedisServer:
+        """A cluster node whose state (``nodes.conf``) survives a crash in ``root``. Its
+        bus port is picked free too: the default (port + 10000) may be taken, or
+        above 65535 for a port from the ephemeral range."""
+        return RedisServer(
+            root=root,
+            options=(
+                "--cluster-enabled",
+                "yes",
+                "--cluster-config-file",
+                str(root / "nodes.conf"),
+                "--cluster-node-timeout",
+                str(self.node_timeout_ms),
+                "--cluster-port",
+                str(free_port()),
+                "--appendonly",
+                "no",
+                *TOPOLOGY_OPTIONS,
+            ),
+        )
+
+    @property
+    def startup_url(self) -> str:
+        return f"redis://127.0.0.1:{self.primaries()[0]}/0"
+
+    def primaries(self) -> list[int]:
+        """The ports of the primaries that hold slots, in order."""
+        return sorted({port for _, _, port in slot_map(self._running()[0])})
+
+    def owner(self, slot: int) -> int:
+        """The port of the primary that holds ``slot``."""
+        return next(p for start, end, p in slot_map(self._running()[0]) if start <= slot <= end)
+
+    def _running(self) -> list[int]:
+        return [port for port, node in self.nodes.items() if node.process is not None]
+
+    def migrate_slot(self, slot: int, to_port: int) -> None:
+        """Move ``slot`` and its keys to the primary on ``to_port``, as ``redis-cli
+        --cluster reshard`` does, while clients may use it: during the move, the
+        source answers for the keys it still has and sends the others (new ones too)
+        to the target with ``ASK``; then every primary learns the new owner."""
+        source = self.owner(slot)
+        if source == to_port:
+            return
+        source_id, target_id = (ask(p, "CLUSTER", "MYID") for p in (source, to_port))
+        # The target first: once the source redirects, the target must accept.
+        ask(to_port, "CLUSTER", "SETSLOT", slot, "IMPORTING", source_id)
+        ask(source, "CLUSTER", "SETSLOT", slot, "MIGRATING", target_id)
+        while keys := ask(
+            source, "CLUSTER", "GETKEYSINSLOT", slot, self.MIGRATE_BATCH, decode=False
+        ):
+            ask(
+                source,
+                "MIGRATE",
+                "127.0.0.1",
+                to_port,
+                "",
+                0,
+                self.MIGRATE_TIMEOUT_MS,
+                "KEYS",
+                *keys,
+            )
+        # The target, then the source (it stops redirecting with ASK), then the rest;
+        # the target's epoch bump carries the change to the replicas.
+        others = [p for p in self.primaries() if p not in (source, to_port)]
+        for port in (to_port, source, *others):
+            ask(port, "CLUSTER", "SETSLOT", slot, "NODE", target_id)
+        self._wait_steady()
+
+    def fail_over_primary(self, port: int) -> int:
+        """SIGKILL the primary on ``port``; once its replica has taken over, restart it
+        (its ``nodes.conf`` kept) so that it rejoins as that one's replica. Returns the
+        new primary's port, when the whole cluster is steady again."""
+        me = next(n for n in cluster_nodes(port) if "myself" in n.flags)
+        [replica] = [n.port for n in cluster_nodes(port) if n.primary_id == me.id]
+        self.nodes[port].kill()
+        others = [p for p in self.nodes if p != port]
+        poll(lambda: self._took_over(replica, port, others), f"{replica} replacing {port}")
+        self.nodes[port].start()  # same port and directory
+        self._wait_steady()
+        return replica
+
+    @staticmethod
+    def _took_over(replica: int, old: int, others: list[int]) -> bool:
+        """Whether ``replica`` is a primary, and every other live node is ok with the
+        slots of ``old`` now on it."""
+        if role(replica) != "master":
+            return False
+        for port in others:
+            info = ask(port, "CLUSTER", "INFO")
+            ports = {p for _, _, p in slot_map(port)}
+            if "cluster_state:ok" not in info or old in ports or replica not in ports:
+                return False
+        return True
+
+    def _wait_steady(self) -> None:
+        poll(self._steady, "a steady cluster (state ok, one slot map, replicas linked)")
+
+    def _steady(self) -> bool:
+        """Every node: ``cluster_state:ok``, the same slot map, all six nodes known,
+        connected and none suspected; three primaries, each with one linked replica."""
+        ports = list(self.nodes)
+        if any("cluster_state:ok" not in ask(p, "CLUSTER", "INFO") for p in ports):
+            return False
+        if any(slot_map(p) != slot_map(ports[0]) for p in ports[1:]):
+            return False
+        bad = {"fail", "fail?", "handshake", "noaddr"}
+        views = [cluster_nodes(p) for p in ports]
+        if any(len(v) != 6 or any(n.flags & bad or not n.connected for n in v) for v in views):
+            return False
+        primaries = {n.id: n.port for n in views[0] if "master" in n.flags}
+        replicas = [(n.port, primaries.get(n.primary_id)) for n in views[0] if "slave" in n.flags]
+        return (
+            len(primaries) == 3
+            and sorted(p for _, p in replicas if p) == sorted(primaries.values())
+            and all(replica_linked(r, p) for r, p in replicas)
+        )
 
 
 @dataclass
