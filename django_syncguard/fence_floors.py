@@ -106,7 +106,7 @@ def compact(
     """The compaction loop over a backend's hooks (see the module docstring): the
     number deleted by each batch, or with ``dry_run`` one number, how many would be."""
     cursor: str | None = None
-    would = 0
+    would = raised = 0
     while True:
         batch, cursor = backend._idle_counters(cutoff_ms, cursor, batch_size, stamp=not dry_run)
         if dry_run:
@@ -114,9 +114,13 @@ def compact(
         elif batch:
             # At most FLOOR_MAX: a counter at FENCE_MAX can never be handed out again
             # anyway, and a floor there would make every other key overflow.
-            backend._raise_fence_floor(min(max(counter.fence for counter in batch), FLOOR_MAX))
+            fence = min(max(counter.fence for counter in batch), FLOOR_MAX)
+            backend._raise_floor_before_delete(batch, fence)
+            raised = max(raised, fence)
             yield backend._delete_idle_counters(batch, cutoff_ms)
         if cursor is None:
             break
     if dry_run:
         yield would
+    elif raised:
+        backend._compaction_done(raised)

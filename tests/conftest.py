@@ -30,6 +30,7 @@ from tests.support.harness import (
     HARNESSES,
     Harness,
     MemoryHarness,
+    RedisClusterHarness,
     RedisHarness,
     RedisSentinelHarness,
 )
@@ -144,6 +145,14 @@ def redis_cluster() -> Iterator[RedisClusterTopology]:
     """The session's Redis Cluster: three primaries with a replica each."""
     with running("redis cluster", RedisClusterTopology()) as topology:
         yield topology
+
+
+@pytest.fixture(scope="session")
+def redis_cluster_harness(redis_cluster: RedisClusterTopology) -> Iterator[RedisClusterTopology]:
+    """The session's cluster, named by ``RedisClusterHarness`` while it runs."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(RedisClusterHarness, "url", redis_cluster.startup_url)
+        yield redis_cluster
 
 
 @pytest.fixture(scope="session")

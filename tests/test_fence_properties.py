@@ -30,6 +30,7 @@ EXAMPLES = {
     "pgbouncer": 20,
     "redis": 40,
     "redis-sentinel": 15,
+    "redis-cluster": 20,
     "firestore": 15,
 }
 

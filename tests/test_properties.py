@@ -58,6 +58,7 @@ EXAMPLES = {
     "pgbouncer": 30,
     "redis": 60,
     "redis-sentinel": 20,
+    "redis-cluster": 40,
     "firestore": 40,
 }
 

@@ -454,6 +454,16 @@ class BaseLockBackend(SanitizedLookups, ABC):
         """Set the floor to max(floor, ``fence``) atomically; return it."""
         raise NotImplementedError(f"{type(self).__name__} keeps no fence floor.")
 
+    def _raise_floor_before_delete(self, counters: list[IdleCounter], fence: int) -> None:
+        """Compaction, before deleting ``counters``: raise the floor every one of their
+        keys reads to at least ``fence`` (the largest of theirs). One floor per alias:
+        that floor. (A backend that keeps a floor per shard raises their shards'.)"""
+        self._raise_fence_floor(fence)
+
+    def _compaction_done(self, fence: int) -> None:
+        """Compaction, after its last batch, ``fence`` the largest floor it raised
+        (nothing with one floor per alias: it is raised already)."""
+
     def _highest_fence(self) -> int:
         """The largest value of any fence counter (0 when there is none)."""
         raise NotImplementedError(f"{type(self).__name__} keeps no fence floor.")

@@ -8,7 +8,7 @@ stored records on a server whose clock we do not control), and seed a fence coun
 from __future__ import annotations
 
 import uuid
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from django_syncguard.backends.base import BaseLockBackend
 from django_syncguard.backends.database import DatabaseBackend
@@ -19,6 +19,9 @@ from django_syncguard.backends.redis import RedisBackend
 from django_syncguard.keys import normalize_and_validate_key
 from django_syncguard.liveness import FakeClock
 from django_syncguard.results import Capabilities
+
+if TYPE_CHECKING:
+    import redis
 
 
 class Harness:
@@ -198,6 +201,35 @@ class RedisSentinelHarness(RedisHarness):
         self.build(f"contract-{self.prefix}", params, RedisBackend)
 
 
+class RedisClusterHarness(RedisHarness):
+    """The Redis backend on the session's Redis Cluster (three primaries, a replica
+    each), under a prefix of its own: the same suite, with keys in every slot."""
+
+    name = "redis-cluster"
+    url = ""  # set by the redis_cluster_harness fixture (tests/conftest.py)
+
+    def __init__(self, **options: object) -> None:
+        super().__init__(CLUSTER=True, **options)
+
+    def primaries(self) -> list[redis.Redis]:
+        """A client of each primary (ordered as the backend's SCAN walks them)."""
+        return self.redis._scan_nodes()
+
+    def advance(self, ms: int) -> None:
+        # The ageing script SCANs the node it runs on and touches only its keys.
+        for node in self.primaries():
+            node.eval(_AGE_REDIS, 0, f"{self.prefix}:*", ms)
+
+    def close(self) -> None:
+        for node in self.primaries():
+            keys = list(node.scan_iter(match=f"{self.prefix}[:#]*", count=1000))
+            pipe = node.pipeline(transaction=False)
+            for key in keys:  # one slot per command
+                pipe.unlink(key)
+            pipe.execute(raise_on_error=False)  # a key whose slot moved: left behind
+        self.backend.close()
+
+
 class FirestoreHarness(Harness):
     """The Firestore backend on the emulator, in collections of its own."""
 
@@ -291,6 +323,7 @@ HARNESSES: dict[str, type[Harness]] = {
     "pgbouncer": PgBouncerHarness,
     "redis": RedisHarness,
     "redis-sentinel": RedisSentinelHarness,
+    "redis-cluster": RedisClusterHarness,
     "firestore": FirestoreHarness,
 }
 
@@ -308,5 +341,6 @@ HARNESS_SERVERS = {
     "pgbouncer": "pgbouncer",
     "redis": "redis_server",
     "redis-sentinel": "redis_sentinel",
+    "redis-cluster": "redis_cluster_harness",
     "firestore": "firestore_emulator",
 }

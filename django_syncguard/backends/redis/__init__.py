@@ -9,7 +9,8 @@ module per concern:
 - ``client.py``: ``RedisClients``, the only place that builds connections (the
   synchronous pool, one asyncio client per event loop, the wake-ups' pub/sub
   connection), and the mapping of redis-py's errors to ``LockError``;
-- ``wakeups.py``: ``RedisWakeUps``, the pub/sub subscriber that wakes waiters.
+- ``wakeups.py``: ``RedisWakeUps``, the pub/sub subscriber that wakes waiters;
+- ``slots.py``: hash slots on a Redis Cluster (per-slot tags, slot-encoded lock ids).
 
 See ``specs/backends/redis.md``.
 """

@@ -30,6 +30,11 @@ housekeeping), ``scripts.py`` (the Lua, one script per operation), ``client.py``
 (the only module that builds connections and maps redis-py's errors) and
 ``wakeups.py`` (the pub/sub subscriber).
 
+On a Redis Cluster (``OPTIONS["CLUSTER"] = True``) the index and the floor carry
+the hash tag of the lock hash's slot (``P#id:{T}<lock id>``, one ``P#floor:{T}`` per
+slot) and lock ids say that slot (:mod:`.slots`); release, extend and lookup by id
+read the index first, then run their script on the index and the hash.
+
 Lock keys all start with ``P:`` and index keys (and the floor) with ``P#``, so no
 user key can land on an index entry or the floor; the fence counter lives inside the
 key's own hash, so no user key can land on another key's counter either. See
@@ -40,7 +45,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from functools import partial
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, cast
 
@@ -61,8 +66,16 @@ from ...keys import derived, generate_lock_id, make_storage_key
 from ...results import AcquireResult, ExtendResult, LockPage, LockRecord, ReleaseResult
 from ...waiting import WaitTicket, WakeUps
 from ..base import BaseLockBackend, option_ms
-from .client import CLIENT_OPTIONS, RedisClients, map_redis_error, redis_error
-from .scripts import SCRIPTS
+from . import slots
+from .client import (
+    CLIENT_OPTIONS,
+    RedisClients,
+    map_redis_error,
+    no_script_error,
+    redirect_errors,
+    redis_error,
+)
+from .scripts import CLUSTER_SCRIPTS, SCRIPTS
 
 if TYPE_CHECKING:
     import redis
@@ -152,15 +165,23 @@ class RedisBackend(BaseLockBackend):
                 "KEY_PREFIX must be non-empty and free of '#' for Redis: it keeps lock "
                 f"keys apart from the lock-id index (got {self.key_prefix!r})."
             )
+        #: On a Redis Cluster (``OPTIONS["CLUSTER"]``): per-slot floors and indexes,
+        #: slot-encoded lock ids (see :mod:`.slots`).
+        self.cluster = self.options.get("CLUSTER") is True
+        if self.cluster and ("{" in self.prefix or "}" in self.prefix):
+            # A brace in the prefix would be a hash tag: every key of the alias in one
+            # slot, and the per-slot keys' tags ignored.
+            raise InvalidArgument(
+                f"KEY_PREFIX must be free of braces on a Redis Cluster (got {self.key_prefix!r})."
+            )
         self.clients = RedisClients(
             alias,
             self.location,
             self.options,
             connect_timeout_ms=self.connect_timeout_ms,
             operation_timeout_ms=self.operation_timeout_ms,
-            scripts=SCRIPTS,
+            scripts=CLUSTER_SCRIPTS if self.cluster else SCRIPTS,
         )
-        self._scripts = self.clients.scripts()
         #: Replicas that must acknowledge each write (``WAIT``); 0: none asked.
         self.wait_replicas = _count_option(self.options, "WAIT_REPLICAS")
         self.wait_timeout_ms = option_ms(self.options, "WAIT_TIMEOUT_MS", DEFAULT_WAIT_TIMEOUT_MS)
@@ -170,6 +191,12 @@ class RedisBackend(BaseLockBackend):
                 f"OPERATION_TIMEOUT_MS ({self.operation_timeout_ms}): WAIT runs inside the "
                 "operation's time."
             )
+
+    @property
+    def _scripts(self) -> dict[str, Any]:
+        """The scripts bound to the synchronous client (built first on a cluster)."""
+        self.clients.sync()
+        return self.clients.scripts()
 
     @property
     def client(self) -> redis.Redis:
@@ -188,12 +215,27 @@ class RedisBackend(BaseLockBackend):
         return derived(key, self.prefix, "redis lock key", partial(_lock_key, self.prefix, key))
 
     def index_key(self, lock_id: str) -> str:
-        return f"{self.prefix}#id:{lock_id}"
+        """The string naming the lock hash of ``lock_id``; on a cluster it carries the
+        tag of the slot the lock id says (an id past the last slot: the tag of slot
+        0, a key no acquire writes for that id)."""
+        if not self.cluster:
+            return f"{self.prefix}#id:{lock_id}"
+        return f"{self.prefix}#id:{slots.slot_tag(slots.lock_id_slot(lock_id) or 0)}{lock_id}"
 
     @property
     def floor_key(self) -> str:
-        """The string holding the alias's fence floor (``P#``: no user key reaches it)."""
+        """The string holding the alias's fence floor (``P#``: no user key reaches it);
+        on a cluster, see :meth:`slot_floor_key`."""
         return f"{self.prefix}#floor"
+
+    def slot_floor_key(self, slot: int) -> str:
+        """On a cluster, the floor of the keys of ``slot`` (one per slot: the acquire
+        reads it in the lock hash's slot)."""
+        names = self.__dict__.get("_floor_keys")
+        if names is None:  # every slot's, once: floor reads and raises name them all
+            names = [f"{self.prefix}#floor:{{{tag}}}" for tag in slots.tags()]
+            self.__dict__["_floor_keys"] = names
+        return str(names[slot])
 
     def _user_key_arg(self, key: str, lock_key: str) -> str:
         """The user key, stored only when the lock key had to be hashed."""
@@ -218,27 +260,60 @@ class RedisBackend(BaseLockBackend):
         and how many replicas have the write (``wait_replicas`` when none are asked)."""
         if not self.wait_replicas:
             return self._call(name, keys, args), 0
+        script = self._scripts[name]
         try:
-            pipe = self.client.pipeline(transaction=False)
-            self._scripts[name](keys=keys, args=args, client=pipe)
-            pipe.execute_command("WAIT", self.wait_replicas, self.wait_timeout_ms)  # type: ignore[no-untyped-call]
-            reply, acks = pipe.execute()
+            client = self._node_client(keys[0])
+            pipe = self._wait_pipeline(client, script, keys, args)
+            replies = pipe.execute(raise_on_error=False)
+            if isinstance(replies[0], no_script_error()):
+                # The script did not run (a restarted server, SCRIPT FLUSH): load it,
+                # send the pair again.
+                client.script_load(script.script)
+                replies = self._wait_pipeline(client, script, keys, args).execute()
+            return _waited(replies)
         except redis_error() as exc:
             raise map_redis_error(exc, self.alias) from exc
-        return reply, int(acks)
+
+    def _wait_pipeline(self, client: Any, script: Any, keys: list[str], args: list[Any]) -> Any:
+        """The script and ``WAIT`` queued on one pipeline of ``client``: one round trip.
+        (Not ``Script.__call__`` on the pipeline: its ``SCRIPT EXISTS`` before each
+        execution is a round trip of its own.)"""
+        pipe = client.pipeline(transaction=False)
+        pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+        pipe.execute_command("WAIT", self.wait_replicas, self.wait_timeout_ms)
+        return pipe
 
     async def _awrite(self, name: str, keys: list[str], args: list[Any]) -> tuple[Any, int]:
         if not self.wait_replicas:
             return await self._acall(name, keys, args), 0
         scripts = self._async_scripts()
+        script = scripts[name]
         try:
-            pipe = scripts["_client"].pipeline(transaction=False)
-            await scripts[name](keys=keys, args=args, client=pipe)
-            pipe.execute_command("WAIT", self.wait_replicas, self.wait_timeout_ms)
-            reply, acks = await pipe.execute()
+            client = scripts["_client"]
+            if self.cluster:
+                # WAIT counts the writes of its own connection: the script's, on the
+                # node of the key's slot (a slot moved meanwhile: MOVED, unavailable).
+                await client.initialize()  # the slot map (read once, on first use)
+                node = client.get_node_from_key(keys[0])
+                client = self.clients.async_node_client(node.host, node.port)
+            replies = await self._wait_pipeline(client, script, keys, args).execute(
+                raise_on_error=False
+            )
+            if isinstance(replies[0], no_script_error()):
+                await client.script_load(script.script)
+                replies = await self._wait_pipeline(client, script, keys, args).execute()
+            return _waited(replies)
         except redis_error() as exc:
             raise map_redis_error(exc, self.alias) from exc
-        return reply, int(acks)
+
+    def _node_client(self, key: str) -> redis.Redis:
+        """The client for a pipeline that must stay on one connection (a script and its
+        ``WAIT``): on a cluster, the plain client of the node serving ``key``'s slot."""
+        if not self.cluster:
+            return self.client
+        cluster: Any = self.client
+        node_client: redis.Redis = cluster.get_redis_connection(cluster.get_node_from_key(key))
+        return node_client
 
     def _too_few(self, acks: int, what: str) -> ServiceUnavailable:
         return ServiceUnavailable(
@@ -266,10 +341,16 @@ class RedisBackend(BaseLockBackend):
         self, key: str, ttl_ms: int, ticket: WaitTicket | None
     ) -> tuple[list[str], list[Any], str]:
         lock_key = self.lock_key(key)
-        lock_id = generate_lock_id()
+        floor_key = self.floor_key
+        if self.cluster:
+            # The lock id says the hash's slot; index and floor carry its tag.
+            slot = slots.key_slot(lock_key)
+            lock_id, floor_key = slots.new_lock_id(slot), self.slot_floor_key(slot)
+        else:
+            lock_id = generate_lock_id()
         # Every key the script touches is in KEYS, the floor too (Redis Cluster routes
         # and checks a script by its declared keys).
-        keys = [lock_key, self.index_key(lock_id), self.floor_key]
+        keys = [lock_key, self.index_key(lock_id), floor_key]
         args = [
             lock_id,
             ttl_ms,
@@ -301,7 +382,7 @@ class RedisBackend(BaseLockBackend):
         if result.ok and acks < self.wait_replicas:
             # Undo: a lock a failover could lose must not be held by a caller told it
             # failed. (The undo is best effort: its own failure is the same error.)
-            self._call("release", [self.index_key(lock_id)], [lock_id, TIME_TOLERANCE_MS])
+            self._call("release", self._undo_keys(keys), [lock_id, TIME_TOLERANCE_MS])
             raise self._too_few(acks, "the lock was released again.")
         return result
 
@@ -312,9 +393,53 @@ class RedisBackend(BaseLockBackend):
         reply, acks = await self._awrite("acquire", keys, args)
         result = self._acquired(reply, key, lock_id)
         if result.ok and acks < self.wait_replicas:
-            await self._acall("release", [self.index_key(lock_id)], [lock_id, TIME_TOLERANCE_MS])
+            undo = self._undo_keys(keys)
+            await self._acall("release", undo, [lock_id, TIME_TOLERANCE_MS])
             raise self._too_few(acks, "the lock was released again.")
         return result
+
+    def _undo_keys(self, acquire_keys: list[str]) -> list[str]:
+        """The release script's KEYS for the lock an acquire with ``acquire_keys``
+        (hash, index, floor) just took: the hash is known, no index read needed."""
+        lock_key, index = acquire_keys[0], acquire_keys[1]
+        return [index, lock_key] if self.cluster else [index]
+
+    def _id_keys(self, lock_id: str) -> list[str] | None:
+        """KEYS of the scripts that start from a lock id: the index; on a cluster the
+        index and the lock hash it names, read first (the script must declare the hash;
+        it checks again that the index still names it). ``None``: no such lock."""
+        index = self.index_key(lock_id)
+        if not self.cluster:
+            return [index]
+        slot = slots.lock_id_slot(lock_id)
+        if slot is None:
+            return None
+        try:
+            name = self.client.get(index)
+        except redis_error() as exc:
+            raise map_redis_error(exc, self.alias) from exc
+        return self._resolved(index, slot, name)
+
+    async def _aid_keys(self, lock_id: str) -> list[str] | None:
+        index = self.index_key(lock_id)
+        if not self.cluster:
+            return [index]
+        slot = slots.lock_id_slot(lock_id)
+        if slot is None:
+            return None
+        try:
+            name = await self.clients.async_client().get(index)
+        except redis_error() as exc:
+            raise map_redis_error(exc, self.alias) from exc
+        return self._resolved(index, slot, name)
+
+    @staticmethod
+    def _resolved(index: str, slot: int, name: Any) -> list[str] | None:
+        if name is None:
+            return None
+        lock_key = name.decode()
+        # A hash in another slot cannot be this lock's (its acquire put both in one).
+        return [index, lock_key] if slots.key_slot(lock_key) == slot else None
 
     def _make_wake_ups(self) -> WakeUps:
         from .wakeups import RedisWakeUps
@@ -340,12 +465,16 @@ class RedisBackend(BaseLockBackend):
     _EXTEND_UNSURE = "extended here; a failover now could bring back the earlier expiry."
 
     def _release(self, lock_id: str, cancel: CancelToken | None) -> ReleaseResult:
-        keys, args = [self.index_key(lock_id)], [lock_id, TIME_TOLERANCE_MS]
+        keys, args = self._id_keys(lock_id), [lock_id, TIME_TOLERANCE_MS]
+        if keys is None:
+            return ReleaseResult(ok=False, reason="not-found")
         reply, acks = self._write("release", keys, args)
         return self._acked(self._released(reply), acks, self._RELEASE_UNSURE)
 
     async def _arelease(self, lock_id: str, cancel: CancelToken | None) -> ReleaseResult:
-        keys, args = [self.index_key(lock_id)], [lock_id, TIME_TOLERANCE_MS]
+        keys, args = await self._aid_keys(lock_id), [lock_id, TIME_TOLERANCE_MS]
+        if keys is None:
+            return ReleaseResult(ok=False, reason="not-found")
         reply, acks = await self._awrite("release", keys, args)
         return self._acked(self._released(reply), acks, self._RELEASE_UNSURE)
 
@@ -362,13 +491,17 @@ class RedisBackend(BaseLockBackend):
         return ExtendResult(ok=False, reason="expired" if status == 2 else "not-found")
 
     def _extend(self, lock_id: str, ttl_ms: int, cancel: CancelToken | None) -> ExtendResult:
-        args = [lock_id, TIME_TOLERANCE_MS, ttl_ms]
-        reply, acks = self._write("extend", [self.index_key(lock_id)], args)
+        args, keys = [lock_id, TIME_TOLERANCE_MS, ttl_ms], self._id_keys(lock_id)
+        if keys is None:
+            return ExtendResult(ok=False, reason="not-found")
+        reply, acks = self._write("extend", keys, args)
         return self._acked(self._extended(reply), acks, self._EXTEND_UNSURE)
 
     async def _aextend(self, lock_id: str, ttl_ms: int, cancel: CancelToken | None) -> ExtendResult:
-        args = [lock_id, TIME_TOLERANCE_MS, ttl_ms]
-        reply, acks = await self._awrite("extend", [self.index_key(lock_id)], args)
+        args, keys = [lock_id, TIME_TOLERANCE_MS, ttl_ms], await self._aid_keys(lock_id)
+        if keys is None:
+            return ExtendResult(ok=False, reason="not-found")
+        reply, acks = await self._awrite("extend", keys, args)
         return self._acked(self._extended(reply), acks, self._EXTEND_UNSURE)
 
     def _is_locked_args(self, key: str) -> tuple[list[str], list[Any]]:
@@ -420,57 +553,158 @@ class RedisBackend(BaseLockBackend):
         return self._record_by_key(reply, lock_key)
 
     def _lookup_by_id(self, lock_id: str, cancel: CancelToken | None) -> LockRecord | None:
-        args = [lock_id, TIME_TOLERANCE_MS]
-        return self._record_by_id(self._call("lookup_by_id", [self.index_key(lock_id)], args))
+        args, keys = [lock_id, TIME_TOLERANCE_MS], self._id_keys(lock_id)
+        if keys is None:
+            return None
+        return self._record_by_id(self._call("lookup_by_id", keys, args))
 
     async def _alookup_by_id(self, lock_id: str, cancel: CancelToken | None) -> LockRecord | None:
-        args = [lock_id, TIME_TOLERANCE_MS]
-        reply = await self._acall("lookup_by_id", [self.index_key(lock_id)], args)
+        args, keys = [lock_id, TIME_TOLERANCE_MS], await self._aid_keys(lock_id)
+        if keys is None:
+            return None
+        reply = await self._acall("lookup_by_id", keys, args)
         return self._record_by_id(reply)
 
     # ---------------------------------------------------------- housekeeping
-    def _scan(self, cursor: int, match: str, count: int) -> tuple[int, list[bytes]]:
+    # SCAN walks the server, or on a cluster each primary in turn: a walk's state is
+    # (which node, SCAN's position on it), and its cursor says both.
+    def _scan_nodes(self) -> list[redis.Redis]:
+        """The clients SCAN walks: the server's; on a cluster each primary's, ordered by
+        the first slot it serves (a failover hands those slots to the replica that
+        takes over, so the order, and a cursor's node number, stay put)."""
+        if not self.cluster:
+            return [self.client]
+        cluster: Any = self.client
+        first: dict[str, tuple[int, Any]] = {}
         try:
-            next_cursor, names = self.client.scan(cursor, match=match, count=count, _type="hash")
+            for slot, nodes in cluster.nodes_manager.slots_cache.items():
+                known = first.get(nodes[0].name)
+                if known is None or slot < known[0]:
+                    first[nodes[0].name] = (slot, nodes[0])
+            ordered = sorted(first.values(), key=lambda item: item[0])
+            return [cluster.get_redis_connection(node) for _, node in ordered]
         except redis_error() as exc:
             raise map_redis_error(exc, self.alias) from exc
-        return int(next_cursor), cast(list[bytes], names)
+
+    def _scan(
+        self, state: tuple[int, int], match: str, count: int
+    ) -> tuple[tuple[int, int] | None, list[bytes]]:
+        """One SCAN call at ``state`` (node number, position): the state to go on from
+        (``None``: the walk is over) and the names it returned."""
+        nodes = self._scan_nodes()
+        node, position = state
+        if node >= len(nodes):  # a cursor of a larger cluster: nothing left
+            return None, []
+        try:
+            found, names = nodes[node].scan(position, match=match, count=count, _type="hash")
+        except redis_error() as exc:
+            raise map_redis_error(exc, self.alias) from exc
+        found = int(found)
+        if found:
+            return (node, found), cast(list[bytes], names)
+        return ((node + 1, 0) if node + 1 < len(nodes) else None), cast(list[bytes], names)
+
+    def _state_text(self, state: tuple[int, int] | None) -> str | None:
+        """A walk's state as a listing cursor: SCAN's position on a single server (as
+        before clusters), ``<node>.<position>`` on a cluster."""
+        if state is None:
+            return None
+        return f"{state[0]}.{state[1]}" if self.cluster else str(state[1])
+
+    def _parse_state(self, cursor: str | None) -> tuple[int, int]:
+        if cursor is None:
+            return (0, 0)
+        parts = cursor.split(".") if self.cluster else ["0", cursor]
+        if len(parts) == 2 and all(p.isascii() and p.isdigit() for p in parts):
+            return (int(parts[0]), int(parts[1]))
+        raise InvalidArgument("cursor is not one this backend returned.")
+
+    def _on_slots(
+        self,
+        slot_list: Iterable[int],
+        queue: Callable[[Any, int], Any],
+        again: Callable[[int], Any],
+    ) -> list[Any]:
+        """On a cluster: ``queue(pipeline, slot)`` for each slot, in one pipeline per
+        node serving them; the replies in order of the nodes, then of ``slot_list``. A
+        reply that says the slot is elsewhere (MOVED, ASK, TRYAGAIN: the command did not
+        run) is replaced by ``again(slot)``, sent through the cluster client."""
+        cluster: Any = self.client
+        try:
+            by_node: dict[str, tuple[Any, list[int]]] = {}
+            for slot in slot_list:
+                node = cluster.nodes_manager.get_node_from_slot(slot)
+                by_node.setdefault(node.name, (node, []))[1].append(slot)
+            replies: list[Any] = []
+            for node, node_slots in by_node.values():
+                pipe = cluster.get_redis_connection(node).pipeline(transaction=False)
+                for slot in node_slots:
+                    queue(pipe, slot)
+                results = pipe.execute(raise_on_error=False)
+                for slot, result in zip(node_slots, results, strict=True):
+                    if isinstance(result, redirect_errors()):
+                        result = again(slot)
+                    elif isinstance(result, Exception):
+                        raise result
+                    replies.append(result)
+        except redis_error() as exc:
+            raise map_redis_error(exc, self.alias) from exc
+        return replies
+
+    def _per_slot(
+        self, name: str, names: list[str], args: Callable[[list[str]], list[Any]]
+    ) -> list[Any]:
+        """The replies of script ``name`` over the hashes ``names``: one call on a
+        single server; on a cluster one call per slot among them (a script's KEYS
+        must share a slot), pipelined per node."""
+        if not self.cluster:
+            return [self._call(name, names, args(names))]
+        groups: dict[int, list[str]] = {}
+        for lock_key in names:
+            groups.setdefault(slots.key_slot(lock_key), []).append(lock_key)
+        script = self._scripts[name]
+        return self._on_slots(
+            groups,
+            lambda pipe, slot: _queue_script(pipe, script, groups[slot], args(groups[slot])),
+            lambda slot: self._call(name, groups[slot], args(groups[slot])),
+        )
 
     def _pattern(self, prefix: str = "") -> str:
         """SCAN pattern of the lock hashes whose (unhashed) key starts with ``prefix``."""
         return f"{_glob_escape(self.prefix)}:{_glob_escape(prefix)}*"
 
     def _list_locks(self, prefix: str, cursor: str | None, limit: int) -> LockPage:
-        if cursor is not None and not (cursor.isascii() and cursor.isdigit()):
-            raise InvalidArgument("cursor is not one this backend returned.")
-        position, match = int(cursor or 0), self._pattern(prefix)
+        state: tuple[int, int] | None = self._parse_state(cursor)
+        match = self._pattern(prefix)
         records: list[LockRecord] = []
         now = None
         for _ in range(MAX_SCANS_PER_PAGE):
-            position, names = self._scan(position, match, limit)
+            assert state is not None
+            state, names = self._scan(state, match, limit)
             if names:
-                reply = self._call("list_live", [n.decode() for n in names], [TIME_TOLERANCE_MS])
-                now = int(reply[0])
-                rows = reply[1:]
-                for j in range(0, len(rows), 6):
-                    records.append(self._record(*rows[j : j + 6]))
-            if position == 0 or len(records) >= limit:
+                keys = [n.decode() for n in names]
+                for reply in self._per_slot("list_live", keys, lambda _: [TIME_TOLERANCE_MS]):
+                    now = max(now or 0, int(reply[0]))
+                    rows = reply[1:]
+                    for j in range(0, len(rows), 6):
+                        records.append(self._record(*rows[j : j + 6]))
+            if state is None or len(records) >= limit:
                 break
-        return LockPage(tuple(records), str(position) if position else None, now or self.now_ms())
+        return LockPage(tuple(records), self._state_text(state), now or self.now_ms())
 
     def _expired_in_namespace(self, batch_size: int, dry_run: bool) -> Iterator[int]:
-        position, match = 0, self._pattern()
+        state: tuple[int, int] | None = (0, 0)
+        match = self._pattern()
         guard, flag = CLEANUP_GUARD_MS["server"], "1" if dry_run else "0"
-        while True:
-            position, names = self._scan(position, match, batch_size)
+        while state is not None:
+            state, names = self._scan(state, match, batch_size)
             keys = [n.decode() for n in names]
             # COUNT is only a hint: one SCAN call may return more names than asked for
             # (a hash bucket is returned whole), and a batch must never exceed its size.
             for start in range(0, len(keys), batch_size):
                 chunk = keys[start : start + batch_size]
-                yield int(self._call("delete_expired", chunk, [guard, flag]))
-            if position == 0:
-                return
+                replies = self._per_slot("delete_expired", chunk, lambda _: [guard, flag])
+                yield sum(int(reply) for reply in replies)
 
     def _count_expired(self) -> int:
         return sum(self._expired_in_namespace(MAX_PAGE_SIZE, dry_run=True))
@@ -490,12 +724,14 @@ class RedisBackend(BaseLockBackend):
         return int(seconds) * 1000 + int(micros) // 1000
 
     def persistence(self) -> dict[str, Any]:
-        """``INFO persistence`` of the server (for the deploy check)."""
+        """``INFO persistence`` of the server (for the deploy check); on a cluster, of
+        the primary whose persistence is weakest (``aof_enabled`` 0 if any has it off:
+        that one's counters are those a restart loses)."""
         try:
-            info: dict[str, Any] = self.client.info("persistence")
+            infos: list[dict[str, Any]] = [node.info("persistence") for node in self._scan_nodes()]
         except redis_error() as exc:
             raise map_redis_error(exc, self.alias) from exc
-        return info
+        return min(infos, key=lambda info: int(info.get("aof_enabled", 0)))
 
     def deploy_check(self) -> list[Any]:
         messages = self._failover_check()
@@ -521,7 +757,18 @@ class RedisBackend(BaseLockBackend):
         return [checks.Warning(message, hint=W014_HINT, id="syncguard.W014")]
 
     # ------------------------------------------------------ fence continuity
+    # On a cluster the floor is one key per slot (the acquire reads it in the lock
+    # hash's slot): raising it raises every slot's, and the alias's floor is the
+    # smallest of them, what every key has at least.
     def _fence_floor(self) -> int:
+        if self.cluster:
+            cluster: Any = self.client
+            floors = self._on_slots(
+                range(slots.SLOTS),
+                lambda pipe, slot: pipe.get(self.slot_floor_key(slot)),
+                lambda slot: cluster.get(self.slot_floor_key(slot)),
+            )
+            return min(int(floor or 0) for floor in floors)
         try:
             floor = self.client.get(self.floor_key)
         except redis_error() as exc:
@@ -530,40 +777,68 @@ class RedisBackend(BaseLockBackend):
 
     def _raise_fence_floor(self, fence: int) -> int:
         # A script: read, compare and write cannot interleave with another raise.
+        if self.cluster:
+            return min(self._raise_slot_floors(range(slots.SLOTS), fence))
         return int(self._call("raise_floor", [self.floor_key], [fence]))
 
+    def _raise_slot_floors(self, slot_list: Iterable[int], fence: int) -> list[int]:
+        """Raise the floor of each slot of ``slot_list`` to at least ``fence``; the
+        floors now in force."""
+        script = self._scripts["raise_floor"]
+        replies = self._on_slots(
+            slot_list,
+            lambda pipe, slot: _queue_script(pipe, script, [self.slot_floor_key(slot)], [fence]),
+            lambda slot: self._call("raise_floor", [self.slot_floor_key(slot)], [fence]),
+        )
+        return [int(reply) for reply in replies]
+
+    def _raise_floor_before_delete(self, counters: list[IdleCounter], fence: int) -> None:
+        # On a cluster, the floors the deleted counters' keys will read: their slots'.
+        if not self.cluster:
+            super()._raise_floor_before_delete(counters, fence)
+            return
+        self._raise_slot_floors(sorted({slots.key_slot(c.name) for c in counters}), fence)
+
+    def _compaction_done(self, fence: int) -> None:
+        # Every slot's floor to the largest fence compacted, as a single floor would
+        # be: the alias's floor (the smallest) then says what the run raised.
+        if self.cluster:
+            self._raise_fence_floor(fence)
+
     def _highest_fence(self) -> int:
-        position, match, highest = 0, self._pattern(), 0
-        while True:
+        state: tuple[int, int] | None = (0, 0)
+        match, highest = self._pattern(), 0
+        while state is not None:
             # Every counter is read (an operator's tool): pages as large as dry runs'.
-            position, names = self._scan(position, match, MAX_PAGE_SIZE)
+            state, names = self._scan(state, match, MAX_PAGE_SIZE)
             if names:
                 keys = [n.decode() for n in names]
-                highest = max(highest, int(self._call("highest_fence", keys, [])))
-            if position == 0:
-                return highest
+                replies = self._per_slot("highest_fence", keys, lambda _: [])
+                highest = max(highest, *(int(reply) for reply in replies))
+        return highest
 
     def _idle_counters(
         self, cutoff_ms: int, cursor: str | None, limit: int, *, stamp: bool
     ) -> tuple[list[IdleCounter], str | None]:
-        # One SCAN call and one script per batch. COUNT is only a hint and a reply can
-        # hold more names than ``limit``: the names of such a reply are taken in slices
-        # of ``limit``, the rest carried in the cursor with SCAN's next position, and
-        # SCAN goes on from that position once they are done. (Repeating the SCAN call
-        # instead would walk other buckets once this batch's deletes have shrunk the
-        # table, and skip counters: measured, 4 in 20 left behind.)
-        position, pending = _parse_idle_cursor(cursor)
-        if not pending:
-            position, names = self._scan(position, self._pattern(), limit)
+        # One SCAN call and one script per batch (per slot on a cluster). COUNT is only
+        # a hint and a reply can hold more names than ``limit``: the names of such a
+        # reply are taken in slices of ``limit``, the rest carried in the cursor with
+        # SCAN's next position, and SCAN goes on from that position once they are
+        # done. (Repeating the SCAN call instead would walk other buckets once this
+        # batch's deletes have shrunk the table, and skip counters: measured, 4 in 20
+        # left behind.)
+        state, pending = _parse_idle_cursor(cursor)
+        if not pending and state is not None:
+            state, names = self._scan(state, self._pattern(), limit)
             pending = sorted(n.decode() for n in names)
         chunk, rest = pending[:limit], pending[limit:]
-        next_cursor = json.dumps([position, rest]) if rest or position else None
+        next_cursor = json.dumps([state, rest]) if rest or state else None
         if not chunk:
             return [], next_cursor
         args = [cutoff_ms, TIME_TOLERANCE_MS, "1" if stamp else "0"]
-        reply = self._call("idle_counters", chunk, args)
         counters = [
             IdleCounter(name=reply[j].decode(), fence=int(reply[j + 1]), guard=int(reply[j + 2]))
+            for reply in self._per_slot("idle_counters", chunk, lambda _: args)
             for j in range(0, len(reply), 3)
         ]
         return counters, next_cursor
@@ -571,19 +846,44 @@ class RedisBackend(BaseLockBackend):
     def _delete_idle_counters(self, counters: list[IdleCounter], cutoff_ms: int) -> int:
         if not counters:
             return 0
-        keys = [counter.name for counter in counters]
-        args = [cutoff_ms, TIME_TOLERANCE_MS, *(counter.fence for counter in counters)]
-        return int(self._call("delete_idle", keys, args))
+        fences = {counter.name: counter.fence for counter in counters}
+        replies = self._per_slot(
+            "delete_idle",
+            list(fences),
+            lambda names: [cutoff_ms, TIME_TOLERANCE_MS, *(fences[name] for name in names)],
+        )
+        return sum(int(reply) for reply in replies)
 
 
-def _parse_idle_cursor(cursor: str | None) -> tuple[int, list[str]]:
-    """(SCAN position, names of its last reply still to do) from a compaction cursor."""
+def _waited(replies: list[Any]) -> tuple[Any, int]:
+    """(the script's reply, the replicas WAIT counted) of a script + WAIT pipeline."""
+    for reply in replies:
+        if isinstance(reply, Exception):
+            raise reply
+    return replies[0], int(replies[1])
+
+
+def _queue_script(pipe: Any, script: Any, keys: list[str], args: list[Any]) -> None:
+    """Queue ``script`` on a node's pipeline: the pipeline loads it first if the node
+    lacks it (what ``Script.__call__`` does, without its cost per call: floors queue
+    16,384 of these)."""
+    pipe.scripts.add(script)
+    pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+
+
+def _parse_idle_cursor(cursor: str | None) -> tuple[tuple[int, int] | None, list[str]]:
+    """(SCAN state: node number and position, ``None`` once the walk is over; names of
+    its last reply still to do) from a compaction cursor."""
     if cursor is None:
-        return 0, []
+        return (0, 0), []
     try:
-        position, rest = json.loads(cursor)
-        if isinstance(position, int) and all(isinstance(name, str) for name in rest):
-            return position, list(rest)
+        state, rest = json.loads(cursor)
+        if (
+            (state is None or (len(state) == 2 and all(type(n) is int for n in state)))
+            and isinstance(rest, list)
+            and all(isinstance(name, str) for name in rest)
+        ):
+            return (None if state is None else (state[0], state[1])), list(rest)
     except (ValueError, TypeError):
         pass
     raise InvalidArgument("cursor is not one this backend returned.")

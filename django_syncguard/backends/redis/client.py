@@ -13,9 +13,10 @@ the server (Sentinel, Cluster) is code in this module only.
 from __future__ import annotations
 
 import asyncio
+import threading
 import weakref
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from django.core.exceptions import ImproperlyConfigured
 
@@ -34,7 +35,9 @@ if TYPE_CHECKING:
     import redis
 
 #: The ``OPTIONS`` this module reads (the backend adds them to its known options).
-CLIENT_OPTIONS = frozenset({"MAX_CONNECTIONS", "CLIENT_KWARGS", "SENTINELS", "SENTINEL_KWARGS"})
+CLIENT_OPTIONS = frozenset(
+    {"MAX_CONNECTIONS", "CLIENT_KWARGS", "SENTINELS", "SENTINEL_KWARGS", "CLUSTER"}
+)
 DEFAULT_MAX_CONNECTIONS = 50
 
 # Server replies that mean "not now" rather than "wrong".
@@ -48,6 +51,10 @@ _UNAVAILABLE_REPLIES = (
     "READONLY",
     "NOREPLICAS",
     "MISCONF",
+    # Leftover redirections (redis-py follows them; one that still arrives means the
+    # cluster's layout changed under the call).
+    "MOVED",
+    "ASK",
 )
 _AUTH_REPLIES = ("NOAUTH", "WRONGPASS", "NOPERM")
 
@@ -63,15 +70,30 @@ def _redis() -> Any:
     return redis
 
 
-def redis_error() -> type[Exception]:
-    """The base class of redis-py's exceptions (what :func:`map_redis_error` maps)."""
-    error: type[Exception] = _redis().exceptions.RedisError
-    return error
+def redis_error() -> tuple[type[Exception], ...]:
+    """The classes of redis-py's exceptions (what :func:`map_redis_error` maps): its
+    base class, and the cluster client's own base, which is not a ``RedisError``."""
+    errors = _redis().exceptions
+    return (errors.RedisError, errors.RedisClusterException)
 
 
 def redis_response_error() -> type[Exception]:
     """redis-py's class of error replies (the wake-ups' reader tells them apart)."""
     error: type[Exception] = _redis().exceptions.ResponseError
+    return error
+
+
+def redirect_errors() -> tuple[type[Exception], ...]:
+    """The replies that say a command did not run on this node and may go to the
+    slot's owner (``MOVED``, ``ASK``, ``TRYAGAIN``): a reply of a pipeline sent to one
+    node is sent again through the cluster client, which follows them."""
+    errors = _redis().exceptions
+    return (errors.AskError, errors.TryAgainError)
+
+
+def no_script_error() -> type[Exception]:
+    """redis-py's ``NOSCRIPT`` reply: the script is not loaded on that server."""
+    error: type[Exception] = _redis().exceptions.NoScriptError
     return error
 
 
@@ -91,13 +113,28 @@ def map_redis_error(exc: BaseException, alias: str) -> LockError:
         error_cls = AuthFailed
     elif isinstance(exc, errors.TimeoutError):
         error_cls = NetworkTimeout
-    elif isinstance(exc, errors.ConnectionError) or (
+    elif isinstance(exc, (errors.ConnectionError, *_cluster_unavailable(errors))) or (
         isinstance(exc, errors.ResponseError) and text.startswith(_UNAVAILABLE_REPLIES)
     ):
         error_cls = ServiceUnavailable
     else:
         error_cls = Internal
     return error_cls(message, context={"cause": exc})
+
+
+def _cluster_unavailable(errors: Any) -> tuple[type[Exception], ...]:
+    """redis-py's cluster exceptions that mean "the cluster cannot serve this now":
+    redis-py strips the reply's code from some (MOVED, ASK, TRYAGAIN, CLUSTERDOWN
+    arrive as classes whose text lacks it), and raises others of its own (no node
+    for a slot, a layout it could not load: ``RedisClusterException``). A cross-slot
+    reply is this package's bug, not the cluster's state: it stays ``Internal``."""
+    return (
+        errors.AskError,  # MovedError too
+        errors.TryAgainError,
+        errors.ClusterError,  # ClusterDownError, MasterDownError
+        errors.SlotNotCoveredError,
+        errors.RedisClusterException,
+    )
 
 
 class RedisClients:
@@ -133,31 +170,61 @@ class RedisClients:
             "max_connections": max_connections,
             **mapping_option(options, "CLIENT_KWARGS"),
         }
+        self.cluster = ClusterSettings.parse(location, options)
         self.sentinel = SentinelSettings.parse(location, options, self._kwargs)
-        try:
-            self._sync: redis.Redis = (
-                redis_py.Redis.from_url(location, **self._kwargs)
-                if self.sentinel is None
-                else self.sentinel.master(redis_py.sentinel, self._kwargs)
-            )
-        except ValueError as exc:
-            raise InvalidArgument(f"LOCATION {location!r} is not a redis URL: {exc}") from exc
-        self._scripts = {name: self._sync.register_script(lua) for name, lua in self._lua.items()}
+        self._sync: Any = None
+        self._scripts: dict[str, Any] = {}
+        self._building = threading.Lock()
+        if self.cluster is None:  # a cluster client connects as it is built: on first use
+            try:
+                if self.sentinel is None:
+                    self._sync = redis_py.Redis.from_url(location, **self._kwargs)
+                else:
+                    self._sync = self.sentinel.master(redis_py.sentinel, self._kwargs)
+            except ValueError as exc:
+                raise InvalidArgument(f"LOCATION {location!r} is not a redis URL: {exc}") from exc
+            self._register()
         self._loops: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, Any]] = (
             weakref.WeakKeyDictionary()
         )
 
     @property
     def topology(self) -> str:
-        """``"server"`` (one server at ``LOCATION``) or ``"sentinel"``."""
+        """``"server"`` (one server at ``LOCATION``), ``"sentinel"`` or ``"cluster"``."""
+        if self.cluster is not None:
+            return "cluster"
         return "server" if self.sentinel is None else "sentinel"
 
+    def _register(self) -> None:
+        self._scripts.update(
+            {name: self._sync.register_script(lua) for name, lua in self._lua.items()}
+        )
+
     def sync(self) -> redis.Redis:
-        """The synchronous client (thread-safe: its pool hands each call a connection)."""
-        return self._sync
+        """The synchronous client (thread-safe: its pool hands each call a connection);
+        a ``redis.cluster.RedisCluster`` on a cluster, typed as ``Redis`` since the
+        backend calls only what both have. The cluster client is built on first use
+        (it reads the slot map from the startup node as it is built): a cluster that
+        cannot be reached then raises ``ServiceUnavailable``, and the next call tries
+        again."""
+        if self._sync is None:
+            assert self.cluster is not None
+            with self._building:
+                if self._sync is None:
+                    try:
+                        client = self.cluster.client(_redis().cluster, self._kwargs)
+                    except redis_error() as exc:
+                        raise map_redis_error(exc, self.alias) from exc
+                    except ValueError as exc:
+                        message = f"LOCATION {self.location!r} is not a redis URL: {exc}"
+                        raise InvalidArgument(message) from exc
+                    self._sync = client
+                    self._register()
+        return cast("redis.Redis", self._sync)
 
     def scripts(self) -> dict[str, Any]:
-        """The scripts, bound to the synchronous client."""
+        """The scripts, bound to the synchronous client (the same dict from first to
+        last: a cluster's are added when its client is built)."""
         return self._scripts
 
     def for_loop(self) -> dict[str, Any]:
@@ -167,11 +234,12 @@ class RedisClients:
         scripts = self._loops.get(loop)
         if scripts is None:
             redis_py = _redis()
-            client = (
-                redis_py.asyncio.Redis.from_url(self.location, **self._kwargs)
-                if self.sentinel is None
-                else self.sentinel.master(redis_py.asyncio.sentinel, self._kwargs)
-            )
+            if self.cluster is not None:
+                client = self.cluster.client(redis_py.asyncio.cluster, self._kwargs)
+            elif self.sentinel is None:
+                client = redis_py.asyncio.Redis.from_url(self.location, **self._kwargs)
+            else:
+                client = self.sentinel.master(redis_py.asyncio.sentinel, self._kwargs)
             scripts = {name: client.register_script(lua) for name, lua in self._lua.items()}
             scripts["_client"] = client
             self._loops[loop] = scripts
@@ -180,6 +248,23 @@ class RedisClients:
     def async_client(self) -> Any:
         """The running loop's ``redis.asyncio.Redis``."""
         return self.for_loop()["_client"]
+
+    def async_node_client(self, host: str, port: int) -> Any:
+        """On a cluster, the running loop's plain asyncio client of one node (for a
+        pipeline that must stay on one connection of that node: a script and its
+        ``WAIT``), with the alias's credentials, TLS and timeouts."""
+        scripts = self.for_loop()
+        nodes: dict[tuple[str, int], Any] = scripts.setdefault("_nodes", {})
+        client = nodes.get((host, port))
+        if client is None:
+            redis_py = _redis()
+            url = redis_py.connection.parse_url(self.location)
+            if url.pop("connection_class", None) is not None:  # rediss://
+                url["ssl"] = True
+            url.update(host=host, port=port)
+            client = redis_py.asyncio.Redis(**{**self._kwargs, **url})
+            nodes[(host, port)] = client
+        return client
 
     def pubsub_connection_pool(self) -> Any:
         """A new pool of one connection, outside the backend's pool, for the wake-ups'
@@ -193,18 +278,34 @@ class RedisClients:
             return self.sentinel.pool(_redis().sentinel, kwargs)
         return _redis().ConnectionPool.from_url(self.location, **kwargs)
 
+    def node_pubsub_pool(self, host: str, port: int) -> Any:
+        """On a cluster, a new pool of one pub/sub connection to the node at
+        ``host:port`` (as :meth:`pubsub_connection_pool`: RESP2, no health check of
+        redis-py's), with the alias's credentials, TLS and timeouts."""
+        redis_py = _redis()
+        kwargs = dict(self._kwargs)
+        kwargs.pop("single_connection_client", None)
+        url = redis_py.connection.parse_url(self.location)
+        kwargs.update(url)
+        kwargs.update(host=host, port=port, max_connections=1, protocol=2)
+        kwargs.update(health_check_interval=0)
+        return redis_py.ConnectionPool(**kwargs)
+
     def close(self) -> None:
         """Close the synchronous client and every loop's asyncio client, each on its loop."""
-        self._sync.close()
+        if self._sync is not None:
+            self._sync.close()
         loops, self._loops = self._loops, weakref.WeakKeyDictionary()
         for loop, scripts in list(loops.items()):
-            close_on_loop(loop, scripts["_client"].aclose, self.operation_timeout_s)
+            for client in [scripts["_client"], *scripts.get("_nodes", {}).values()]:
+                close_on_loop(loop, client.aclose, self.operation_timeout_s)
 
     async def aclose(self) -> None:
         """Close the running loop's asyncio client (the others stay)."""
         scripts = self._loops.pop(asyncio.get_running_loop(), None)
         if scripts is not None:
-            await scripts["_client"].aclose()
+            for client in [scripts["_client"], *scripts.get("_nodes", {}).values()]:
+                await client.aclose()
 
 
 class SentinelSettings:
@@ -298,3 +399,52 @@ def _sentinel_addresses(value: Any) -> list[tuple[str, int]]:
     raise InvalidArgument(
         f"OPTIONS['SENTINELS'] must be a non-empty list of (host, port) pairs, not {value!r}."
     )
+
+
+class ClusterSettings:
+    """How an alias reaches a Redis Cluster: ``OPTIONS["CLUSTER"] = True`` with
+    ``LOCATION`` naming one startup node (``redis://host:port/0``; the cluster has
+    database 0 only); the client discovers the others and the slot map from it.
+
+    The clients keep the alias's single attempt per call: ``retry`` allows no retry
+    of a command that failed on a connection error or timeout (a retried acquire
+    whose reply was lost would find its own lock), while the ``MOVED`` and ``ASK``
+    redirections, which say the command did not run, are followed as redis-py does.
+    ``MAX_CONNECTIONS`` bounds each node's pool."""
+
+    def __init__(self, location: str) -> None:
+        self.location = location
+
+    @classmethod
+    def parse(cls, location: str, options: Mapping[str, Any]) -> ClusterSettings | None:
+        """The settings of a cluster alias (``None`` unless ``CLUSTER`` is True)."""
+        value = options.get("CLUSTER", False)
+        if not isinstance(value, bool):
+            raise InvalidArgument(f"OPTIONS['CLUSTER'] must be True or False, not {value!r}.")
+        if not value:
+            return None
+        if "SENTINELS" in options:
+            raise InvalidArgument(
+                "OPTIONS['CLUSTER'] and OPTIONS['SENTINELS'] exclude each other: a cluster "
+                "fails over by itself."
+            )
+        if location.startswith("unix://"):
+            raise InvalidArgument(f"LOCATION {location!r}: a cluster is reached over TCP.")
+        try:
+            url = _redis().connection.parse_url(location)
+        except ValueError as exc:
+            raise InvalidArgument(f"LOCATION {location!r} is not a redis URL: {exc}") from exc
+        if int(url.get("db", 0) or 0) != 0:
+            raise InvalidArgument(f"LOCATION {location!r}: a Redis Cluster has database 0 only.")
+        return cls(location)
+
+    def client(self, module: Any, kwargs: dict[str, Any]) -> Any:
+        """A cluster client (``module``: ``redis.cluster`` or ``redis.asyncio.cluster``)
+        with the data nodes' options ``kwargs``."""
+        kwargs = dict(kwargs)
+        kwargs.pop("single_connection_client", None)
+        if module.__name__.startswith("redis.asyncio"):
+            # The asyncio client wants its own Retry class.
+            redis_py = _redis()
+            kwargs["retry"] = redis_py.asyncio.retry.Retry(redis_py.backoff.NoBackoff(), 0)
+        return module.RedisCluster.from_url(self.location, **kwargs)

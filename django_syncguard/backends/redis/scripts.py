@@ -149,16 +149,20 @@ return {1, fence, expires}
 """
 )
 
-# Fragment of RELEASE and EXTEND. KEYS: [1] index key. ARGV: [1] lock id,
-# [2] tolerance ms. Leaves ``lock`` (the hash name) and ``cur`` = {i, e, q}.
+# Fragment of RELEASE and EXTEND. KEYS: [1] index key, and on a cluster [2] the lock
+# hash the caller read from the index. ARGV: [1] lock id, [2] tolerance ms. Leaves
+# ``lock`` (the hash name) and ``cur`` = {i, e, q}.
 # Release and extend resolve the index to the lock hash, require the hash to carry
 # this lock id (specs/contract.md, Operations: the stored lock id is re-checked) and
-# to be live, then mutate: all inside one script.
+# to be live, then mutate: all inside one script. On a cluster the hash must be
+# declared, so the caller reads the index first (one GET) and passes the hash; the
+# script checks that the index still names it (the index of another lock id is
+# another key, so an index that still names it names it for this lock id).
 _RESOLVE = (
     _NOW
     + """
 local lock = redis.call('GET', KEYS[1])
-if not lock then
+if not lock or (KEYS[2] and lock ~= KEYS[2]) then
   return {0}
 end
 local cur = redis.call('HMGET', lock, 'i', 'e', 'q')
@@ -171,7 +175,7 @@ end
 """
 )
 
-#: KEYS: [1] index key. ARGV: [1] lock id, [2] tolerance ms.
+#: KEYS: as _RESOLVE. ARGV: [1] lock id, [2] tolerance ms.
 #: Returns {1} released, {2} expired, {0} not found. The fence 'f' and the last
 #: acquisition time 'a' stay (compaction reads 'a'). When waiters queue ('q' > 0),
 #: the first live one is woken by PUBLISH.
@@ -212,7 +216,7 @@ return 1
 """
 )
 
-#: KEYS: [1] index key. ARGV: [1] lock id, [2] tolerance ms, [3] ttl ms.
+#: KEYS: as _RESOLVE. ARGV: [1] lock id, [2] tolerance ms, [3] ttl ms.
 #: Returns {1, expires}, {2} expired, {0} not found.
 EXTEND = (
     _RESOLVE
@@ -259,13 +263,13 @@ return {cur[1], cur[2], cur[3], cur[4], cur[5] or ''}
 """
 )
 
-#: KEYS: [1] index key. ARGV: [1] lock id, [2] tolerance ms.
-#: Returns {} or {hash, i, e, a, f, k}.
+#: KEYS: [1] index key, on a cluster [2] the lock hash read from it (see _RESOLVE).
+#: ARGV: [1] lock id, [2] tolerance ms. Returns {} or {hash, i, e, a, f, k}.
 LOOKUP_BY_ID = (
     _NOW
     + """
 local lock = redis.call('GET', KEYS[1])
-if not lock then
+if not lock or (KEYS[2] and lock ~= KEYS[2]) then
   return {}
 end
 local cur = redis.call('HMGET', lock, 'i', 'e', 'a', 'f', 'k')
@@ -437,4 +441,12 @@ SCRIPTS = {
     "highest_fence": HIGHEST_FENCE,
     "idle_counters": IDLE_COUNTERS,
     "delete_idle": DELETE_IDLE,
+}
+
+#: The same scripts for a Redis Cluster: a wake-up is published with SPUBLISH, on the
+#: shard channel of the lock hash's name (same slot, so the node that ran the script
+#: owns the channel, and only it and its replicas carry the message).
+CLUSTER_SCRIPTS = {
+    name: lua.replace("redis.pcall('PUBLISH',", "redis.pcall('SPUBLISH',")
+    for name, lua in SCRIPTS.items()
 }

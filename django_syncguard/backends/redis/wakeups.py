@@ -24,17 +24,29 @@ What is Redis's own:
   connection (a half-open TCP connection would otherwise look idle forever).
 * The worker never blocks in a socket read without data, so the socket timeout (the
   operation timeout) only bounds a reply that stopped half-way.
+
+**On a Redis Cluster** the scripts publish with ``SPUBLISH`` (a shard channel: the
+lock hash's name, in its slot), which only the node serving that slot (and its
+replicas) delivers. :class:`_ClusterSubscriber` keeps one subscriber connection per
+primary that serves a subscribed channel, sends ``SSUBSCRIBE`` to the slot's owner
+as the backend's cluster client knows it, and shows the worker one file descriptor:
+an ``epoll`` (``kqueue``) selector over those connections, readable when any of them
+is. A slot that moves away (the server's ``sunsubscribe``, or a ``MOVED`` reply to a
+subscription) counts as a lost connection: waiters poll, the worker reconnects, the
+slot map is read again, and the channels are subscribed on their new owners.
 """
 
 from __future__ import annotations
 
 import logging
+import selectors
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ...waiting.channels import ChannelWorker, Confirmed, Event, Message, Refused
-from .client import redis_response_error
+from . import slots
+from .client import redirect_errors, redis_response_error
 
 if TYPE_CHECKING:
     from .backend import RedisBackend
@@ -59,6 +71,9 @@ class RedisTransport:
         self._lock_key = backend.lock_key
         self._timeout_s = backend.operation_timeout_ms / 1000
         self._new_pool = backend.clients.pubsub_connection_pool
+        self._clients = backend.clients
+        self._cluster = backend.cluster
+        self._connections = 0
 
     @property
     def idle_cap(self) -> int:
@@ -67,7 +82,15 @@ class RedisTransport:
     def channel(self, key: str) -> str:
         return self._lock_key(key)
 
-    def connect(self, poke: Callable[[], None]) -> _Subscriber:
+    def connect(self, poke: Callable[[], None]) -> _Subscriber | _ClusterSubscriber:
+        self._connections += 1
+        if self._cluster:
+            cluster: Any = self._clients.sync()
+            if self._connections > 1:
+                # A reconnect: the slot map may be what broke the last connection (a
+                # slot moved, a primary failed over); read it again first.
+                cluster.nodes_manager.initialize()
+            return _ClusterSubscriber(self._clients, cluster, self._timeout_s)
         pool = self._new_pool()
         try:
             # Connects: AUTH, SELECT, within the backend's timeouts.
@@ -77,13 +100,20 @@ class RedisTransport:
             raise
 
 
-class _Subscriber:
-    """One subscriber connection (a :class:`~django_syncguard.waiting.channels.Connection`)."""
+class SlotMoved(ConnectionError):
+    """A subscribed shard channel's slot is served elsewhere now: what was published
+    there meanwhile is not heard here, as after a lost connection."""
 
-    def __init__(self, pool: Any, connection: Any, timeout_s: float) -> None:
+
+class _Subscriber:
+    """One subscriber connection (a :class:`~django_syncguard.waiting.channels.Connection`);
+    with ``shard``, of shard channels (``SSUBSCRIBE``) on one node of a cluster."""
+
+    def __init__(self, pool: Any, connection: Any, timeout_s: float, shard: bool = False) -> None:
         self.pool = pool
         self.connection = connection
         self.timeout_s = timeout_s
+        self.prefix = "s" if shard else ""
         self.sent: set[str] = set()  # channels SUBSCRIBEd (and not UNSUBSCRIBEd)
         self.inflight: dict[str, int] = {}  # channel -> replies still to come
         self.heard = time.monotonic()
@@ -95,17 +125,17 @@ class _Subscriber:
         return int(self.connection._sock.fileno())
 
     def subscribe(self, channels: Sequence[str]) -> Iterable[str]:
-        self._send("SUBSCRIBE", channels)
+        self._send("subscribe", channels)
         return ()  # confirmed by the replies
 
     def unsubscribe(self, channels: Sequence[str]) -> None:
-        self._send("UNSUBSCRIBE", channels)
+        self._send("unsubscribe", channels)
 
     def _send(self, command: str, channels: Sequence[str]) -> None:
-        self.connection.send_command(command, *channels)
+        self.connection.send_command((self.prefix + command).upper(), *channels)
         for channel in channels:
             self.inflight[channel] = self.inflight.get(channel, 0) + 1
-        if command == "SUBSCRIBE":
+        if command == "subscribe":
             self.sent.update(channels)
         else:
             self.sent.difference_update(channels)
@@ -118,6 +148,8 @@ class _Subscriber:
             while self.connection.can_read(0):
                 try:
                     reply = self.connection.read_response()
+                except redirect_errors() as exc:
+                    raise SlotMoved(f"a subscription went to a node that moved: {exc}") from exc
                 except redis_response_error() as exc:
                     raise Refused(str(exc)) from exc
                 self.heard, self.ping_deadline = time.monotonic(), None
@@ -135,11 +167,15 @@ class _Subscriber:
             return None  # PONG, outside subscribed mode
         decode = self.connection.encoder.decode
         kind = decode(reply[0], force=True)
-        if kind == "message":
+        if kind == self.prefix + "message":
             return Message(decode(reply[1], force=True), decode(reply[2], force=True))
-        if kind not in ("subscribe", "unsubscribe"):
+        if kind not in (self.prefix + "subscribe", self.prefix + "unsubscribe"):
             return None  # ["pong", ""]
+        kind = kind[len(self.prefix) :]
         channel = decode(reply[1], force=True)
+        if kind == "unsubscribe" and channel not in self.inflight and channel in self.sent:
+            # Not asked for: the server dropped it (a shard channel whose slot moved).
+            raise SlotMoved(f"the server unsubscribed {channel!r}")
         left = self.inflight.get(channel, 1) - 1
         if left > 0:
             self.inflight[channel] = left
@@ -163,6 +199,74 @@ class _Subscriber:
 
     def close(self) -> None:
         self.pool.disconnect()
+
+
+class _ClusterSubscriber:
+    """The shard channels of a cluster: one :class:`_Subscriber` per primary that
+    serves a subscribed channel, behind one selector (see the module docstring)."""
+
+    def __init__(self, clients: Any, cluster: Any, timeout_s: float) -> None:
+        self.clients = clients
+        self.cluster = cluster
+        self.timeout_s = timeout_s
+        self.nodes: dict[str, _Subscriber] = {}  # node name -> its connection
+        self.where: dict[str, str] = {}  # channel -> node it was subscribed on
+        self.selector = selectors.DefaultSelector()
+        self.failed: Exception | None = None
+
+    def fileno(self) -> int:
+        # An epoll (kqueue) descriptor is readable while one of its sockets is.
+        return int(self.selector.fileno())
+
+    def _node(self, channel: str) -> str:
+        """The name of the primary serving ``channel``'s slot, connected to."""
+        node = self.cluster.nodes_manager.get_node_from_slot(slots.key_slot(channel))
+        subscriber = self.nodes.get(node.name)
+        if subscriber is None:
+            pool = self.clients.node_pubsub_pool(node.host, node.port)
+            try:
+                subscriber = _Subscriber(pool, pool.get_connection(), self.timeout_s, shard=True)
+                self.selector.register(subscriber.fileno(), selectors.EVENT_READ)
+            except BaseException:
+                pool.disconnect()
+                raise
+            self.nodes[node.name] = subscriber
+        return str(node.name)
+
+    def subscribe(self, channels: Sequence[str]) -> Iterable[str]:
+        for channel in channels:
+            name = self.where[channel] = self._node(channel)
+            # One command per channel: SSUBSCRIBE takes channels of one slot only.
+            self.nodes[name].subscribe([channel])
+        return ()
+
+    def unsubscribe(self, channels: Sequence[str]) -> None:
+        for channel in channels:
+            name = self.where.pop(channel, None)
+            if name is not None:
+                self.nodes[name].unsubscribe([channel])
+
+    def receive(self) -> list[Event]:
+        if self.failed is not None:
+            raise self.failed
+        events: list[Event] = []
+        for subscriber in list(self.nodes.values()):
+            try:
+                events.extend(subscriber.receive())
+            except Exception as exc:
+                if not events:
+                    raise
+                self.failed = exc  # what arrived before it is delivered first
+                break
+        return events
+
+    def check(self) -> float:
+        return min((s.check() for s in self.nodes.values()), default=HEALTH_CHECK_S)
+
+    def close(self) -> None:
+        self.selector.close()
+        for subscriber in self.nodes.values():
+            subscriber.close()
 
 
 class RedisWakeUps(ChannelWorker):
