@@ -26,6 +26,7 @@ from tests.testapp.models import Account
 
 pytestmark = [
     pytest.mark.slow,
+    pytest.mark.once,
     pytest.mark.django_db(transaction=True, databases=["postgres"]),
 ]
 
