@@ -17,7 +17,7 @@ from redis.crc import key_slot
 
 from tests.support.servers import RedisClusterTopology, redis_client
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.once]
 
 TIMEOUTS: dict[str, Any] = {"socket_timeout": 5, "socket_connect_timeout": 2}
 
