@@ -1,6 +1,6 @@
 """The Redis backend on its topologies: one server, Sentinel, Cluster; WAIT 0 and 1.
 
-    .venv/bin/python bench/topologies.py [--seconds 8] [--rounds 8]
+    .venv/bin/python bench/topologies.py [--seconds 12] [--rounds 12]
         [--modes "1 client,8 processes"] [--processes 4] [--hold-ms 5]
         [--contended-seconds 8] [--contended-rounds 4]
         [--out bench/reports/<date>-topologies.md]
@@ -142,7 +142,7 @@ class Servers:
 TOPOLOGIES = (
     "single: one redis-server. single+replica: a redis-server and its replica. Sentinel: "
     "a primary, its replica and 3 sentinels (quorum 2). Cluster: 3 primaries with a "
-    "replica each (`redis-cli --cluster create`). All on 127.0.0.1, at once"
+    "replica each (`redis-cli --cluster create`). All running at once, on 127.0.0.1"
 )
 
 
@@ -293,6 +293,9 @@ HOW = """\
   sends `EVALSHA` and `WAIT 1 500` in one pipeline and returns once the replica has
   acknowledged. The single server of the WAIT 0 cell has no replica; the WAIT 1
   cell's primary has one (WAIT needs it), as do Sentinel's and each Cluster shard's.
+  Round trips per acquire + release: 2 everywhere but on the Cluster, 3: a release
+  by lock id first GETs the lock-id index to learn the lock hash's name, since a
+  cluster script must declare every key it touches (`RedisBackend._id_keys`).
 - **Uncontended.** A cycle is `backend.acquire(key, ttl_ms=30000)` then
   `release(lock_id)`. *1 client*: a thread of this process; *8 processes*: 8
   spawned processes, one client each, started together (`bench/common.py`); each
@@ -317,8 +320,8 @@ HOW = """\
 # -------------------------------------------------------------------- main
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--seconds", type=float, default=8.0, help="uncontended, per cell and mode")
-    parser.add_argument("--rounds", type=int, default=8, help="uncontended rounds")
+    parser.add_argument("--seconds", type=float, default=12.0, help="uncontended: per cell, mode")
+    parser.add_argument("--rounds", type=int, default=12, help="uncontended rounds")
     parser.add_argument("--modes", default="1 client,8 processes", help="uncontended clients")
     parser.add_argument("--processes", type=int, default=4, help="contended clients")
     parser.add_argument("--hold-ms", type=int, default=5, help="contended hold")
