@@ -119,6 +119,15 @@ class Target:
     location: str = ""  # Redis URL, SQLite file or Firestore emulator host
     port: int = 0  # PostgreSQL
     database: str = "bench"  # PostgreSQL
+    #: More backend ``OPTIONS`` as (name, value) pairs, hashable so that a target can
+    #: key a process's methods (bench/topologies.py: SENTINELS, CLUSTER, WAIT_REPLICAS).
+    options: tuple[tuple[str, Any], ...] = ()
+
+
+def layout(clients: int) -> tuple[int, int]:
+    """(processes, threads per process) of a client count: ``CLIENTS``' or, for a
+    count it does not name, that many processes of one client each."""
+    return CLIENTS.get(clients, (clients, 1))
 
 
 # ====================================================================== clients
@@ -296,7 +305,9 @@ def setup_process(target: Target, migrate: bool) -> None:
 
 def make_backend(target: Target, wake_ups: bool, alias: str = "contention") -> Any:
     """Our backend for ``target``; ``wake_ups=False`` sets ``OPTIONS["WAKE_UPS"]``."""
-    options: dict[str, Any] = {} if wake_ups else {"WAKE_UPS": False}
+    options: dict[str, Any] = dict(target.options)
+    if not wake_ups:
+        options["WAKE_UPS"] = False
     if target.backend == "redis":
         from django_syncguard.backends.redis import RedisBackend
 
@@ -618,7 +629,7 @@ def worker_main(index: int, target: Target, inbox: Any, out: Any, stop: Any) -> 
         return
     out.put(("up", index, None))
     slots = [ThreadPoolExecutor(1, thread_name_prefix=f"client{t}") for t in range(4)]
-    methods: dict[str, Any] = {}
+    methods: dict[tuple[str, Target], Any] = {}
     current: tuple[Any, str, int] | None = None
     while True:
         message = inbox.get()
@@ -632,12 +643,15 @@ def worker_main(index: int, target: Target, inbox: Any, out: Any, stop: Any) -> 
             except Exception:
                 out.put(("uncontended", index, traceback.format_exc()))
         elif kind == "prepare":
-            _, name, threads, key = message
+            # An optional fifth item is a target of the same kind to use instead of
+            # the process's own (bench/topologies.py: one pool for several servers).
+            _, name, threads, key, *other = message
+            cell_target = other[0] if other else target
             current, error = None, None
             try:
-                if name not in methods:
-                    methods[name] = build_method(target, name, stop)
-                method = methods[name]
+                if (name, cell_target) not in methods:
+                    methods[name, cell_target] = build_method(cell_target, name, stop)
+                method = methods[name, cell_target]
                 warm = [
                     slots[t].submit(method.hold, f"warmup:{index}:{t}", lambda: None, False)
                     for t in range(threads)
@@ -759,13 +773,23 @@ class Pool:
         return dict(result)
 
     def run_cell(
-        self, method: str, clients: int, hold_ms: int, seconds: float, key: str
+        self,
+        method: str,
+        clients: int,
+        hold_ms: int,
+        seconds: float,
+        key: str,
+        target: Target | None = None,
     ) -> tuple[list[dict[str, Any]], int, int, float]:
-        """One cell; returns each process's data, the window, and the drain time."""
-        processes, threads = CLIENTS[clients]
+        """One cell; returns each process's data, the window, and the drain time.
+
+        ``target``: another server of the pool's kind for this cell (the processes
+        keep its method too); default the pool's own."""
+        processes, threads = layout(clients)
         used = self.inboxes[:processes]
+        prepare = ("prepare", method, threads, key) + ((target,) if target else ())
         for inbox in used:
-            inbox.put(("prepare", method, threads, key))
+            inbox.put(prepare)
         try:
             self.expect("ready", processes, 300)
         except CellFailed:
@@ -879,7 +903,7 @@ class Cell:
 def analyse(cell: Cell, data: list[dict[str, Any]], start: int, deadline: int) -> None:
     calls: list[Call] = [c for d in data for c in d["calls"]]
     holds: list[Hold] = sorted((h for d in data for h in d["holds"]), key=lambda h: h[1])
-    processes, threads = CLIENTS[cell.clients]
+    processes, threads = layout(cell.clients)
     cell.window_s = (deadline - start) / 1e9
     cell.wake_ups = next((d["wake_ups"] for d in data if d.get("wake_ups")), None)
     cell.error_samples = [e for d in data for e in d["errors"]][:5]
@@ -900,21 +924,7 @@ def analyse(cell: Cell, data: list[dict[str, Any]], start: int, deadline: int) -
     cell.wait_p50, cell.wait_p99 = pct(waits, 50), pct(waits, 99)
     cell.longest = max((c[2] for c in calls), default=math.nan)
 
-    # Hand-offs: from a release while some other client's call was waiting (it had
-    # begun and not yet entered its body or given up) to the next hold's entry,
-    # whoever makes it (the releaser itself, when it barges in again).
-    begun = sorted(c[1] for c in calls)
-    ended = sorted(c[1] + c[2] for c in calls)
-
-    def waiting_at(t: int) -> bool:
-        return bisect.bisect_left(begun, t) - bisect.bisect_right(ended, t) > 0
-
-    gaps = []
-    for prev, nxt in itertools.pairwise(holds):
-        if nxt[1] < prev[2]:
-            cell.overlaps += 1
-        elif start <= prev[2] < deadline and waiting_at(prev[2]):
-            gaps.append(nxt[1] - prev[2])
+    gaps, cell.overlaps = handoff_gaps(calls, holds, start, deadline)
     cell.handoffs = len(gaps)
     cell.handoff_p50, cell.handoff_p99 = pct(gaps, 50), pct(gaps, 99)
     held = sum(max(0, min(h[2], deadline) - max(h[1], start)) for h in holds)
@@ -931,6 +941,30 @@ def analyse(cell: Cell, data: list[dict[str, Any]], start: int, deadline: int) -
     for d in data:
         background.update(d["background"])
     cell.background = dict(background)
+
+
+def handoff_gaps(
+    calls: list[Call], holds: list[Hold], start: int, deadline: int
+) -> tuple[list[int], int]:
+    """The hand-off gaps (ns) and the overlaps of one window; ``holds`` sorted by entry.
+
+    A hand-off: from a release while some other client's call was waiting (it had
+    begun and not yet entered its body or given up) to the next hold's entry, whoever
+    makes it (the releaser itself, when it barges in again)."""
+    begun = sorted(c[1] for c in calls)
+    ended = sorted(c[1] + c[2] for c in calls)
+
+    def waiting_at(t: int) -> bool:
+        return bisect.bisect_left(begun, t) - bisect.bisect_right(ended, t) > 0
+
+    gaps = []
+    overlaps = 0
+    for prev, nxt in itertools.pairwise(holds):
+        if nxt[1] < prev[2]:
+            overlaps += 1
+        elif start <= prev[2] < deadline and waiting_at(prev[2]):
+            gaps.append(nxt[1] - prev[2])
+    return gaps, overlaps
 
 
 # --------------------------------------------------------------------- servers
