@@ -236,24 +236,38 @@ def test_round_trips_counted_on_the_connections(redis_cluster_harness):
         held = count("acquire", lambda: backend.acquire("trips:warm", TTL))
         count("lookup by key", lambda: backend.lookup(key="trips:warm"))
         count("is_locked", lambda: backend.is_locked("trips:warm"))
-        count("lookup by id", lambda: backend.lookup(lock_id=held.lock_id))
-        count("extend", lambda: backend.extend(held.lock_id, TTL))
-        count("release", lambda: backend.release(held.lock_id))
+        # The backend object that acquired knows the lock hash's name ...
+        count("own lookup by id", lambda: backend.lookup(lock_id=held.lock_id))
+        count("own extend", lambda: backend.extend(held.lock_id, TTL))
+        # ... another one (another process, say) reads it from the index first.
+        params = {k: v for k, v in harness.settings_entry.items() if k != "BACKEND"}
+        other = RedisBackend("other", params)
+        other.lookup(lock_id=warm.lock_id)  # loads the scripts on that client
+        count("lookup by id", lambda: other.lookup(lock_id=held.lock_id))
+        count("extend", lambda: other.extend(held.lock_id, TTL))
+        held_again = backend.acquire("trips:again", TTL)
+        count("own release", lambda: backend.release(held.lock_id))
         count("release again", lambda: backend.release(held.lock_id))
+        count("release", lambda: other.release(held_again.lock_id))
+        other.close()
     finally:
         harness.close()
     node = node_of(backend, backend.lock_key("trips:warm"))
+    again = node_of(backend, backend.lock_key("trips:again"))
     assert trips["acquire"] == [(node, "EVALSHA")]
     assert trips["lookup by key"] == [(node, "EVALSHA")]
     assert trips["is_locked"] == [(node, "EVALSHA")]
-    for name in ("lookup by id", "extend", "release"):
+    for name in ("own lookup by id", "own extend", "own release"):
+        assert trips[name] == [(node, "EVALSHA")], (name, trips[name])
+    for name in ("lookup by id", "extend"):
         assert trips[name] == [(node, "GET"), (node, "EVALSHA")], (name, trips[name])
+    assert trips["release"] == [(again, "GET"), (again, "EVALSHA")]
     assert trips["release again"] == [(node, "GET")]  # the index is gone: not found
 
 
 def test_round_trips_with_wait_replicas(redis_cluster_harness):
     # The script and WAIT go in one send on the slot's node: still one round trip
-    # for acquire, two for release and extend.
+    # for acquire, release and extend (the acquiring object knows the lock hash).
     harness = RedisClusterHarness(
         CLIENT_KWARGS={"connection_class": CountingConnection}, WAIT_REPLICAS=1
     )
@@ -274,7 +288,7 @@ def test_round_trips_with_wait_replicas(redis_cluster_harness):
         harness.close()
     node = node_of(backend, backend.lock_key("trips:wait"))
     assert acquire == [(node, "EVALSHA")]
-    assert extend == release == [(node, "GET"), (node, "EVALSHA")]
+    assert extend == release == [(node, "EVALSHA")]  # script and WAIT in one send
 
 
 # ---------------------------------------------------------------- fence floors

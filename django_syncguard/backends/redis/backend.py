@@ -45,6 +45,8 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from functools import partial
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, cast
@@ -127,6 +129,9 @@ def _glob_escape(text: str) -> str:
     return _GLOB_SPECIAL.sub(r"\\\1", text)
 
 
+#: Lock hash names a backend object remembers for its own locks on a cluster.
+MAX_HELD_NAMES = 10_000
+
 #: How long WAIT waits for the replicas, when OPTIONS["WAIT_REPLICAS"] asks for some.
 DEFAULT_WAIT_TIMEOUT_MS = 500
 
@@ -191,6 +196,9 @@ class RedisBackend(BaseLockBackend):
                 f"OPERATION_TIMEOUT_MS ({self.operation_timeout_ms}): WAIT runs inside the "
                 "operation's time."
             )
+        #: On a cluster, the lock hash of each lock this object acquired and has not
+        #: released (bounded): its release, extend and lookup by id skip the index read.
+        self._held_names = _HeldNames()
 
     @property
     def _scripts(self) -> dict[str, Any]:
@@ -363,12 +371,14 @@ class RedisBackend(BaseLockBackend):
             args += [ticket.id, ticket.patience_ms]
         return keys, args, lock_id
 
-    def _acquired(self, reply: list[Any], key: str, lock_id: str) -> AcquireResult:
+    def _acquired(self, reply: list[Any], key: str, lock_id: str, keys: list[str]) -> AcquireResult:
         status = int(reply[0])
         if status == 2:
             raise fence_overflow_error(key)
         if status == 0:
             return AcquireResult.locked(int(reply[1]) if len(reply) > 1 else None)
+        if self.cluster:
+            self._held_names.remember(lock_id, keys[0])
         return AcquireResult(
             ok=True, lock_id=lock_id, expires_at_ms=int(reply[2]), fence=format_fence(int(reply[1]))
         )
@@ -378,10 +388,11 @@ class RedisBackend(BaseLockBackend):
     ) -> AcquireResult:
         keys, args, lock_id = self._acquire_args(key, ttl_ms, ticket)
         reply, acks = self._write("acquire", keys, args)
-        result = self._acquired(reply, key, lock_id)
+        result = self._acquired(reply, key, lock_id, keys)
         if result.ok and acks < self.wait_replicas:
             # Undo: a lock a failover could lose must not be held by a caller told it
             # failed. (The undo is best effort: its own failure is the same error.)
+            self._held_names.forget(lock_id)
             self._call("release", self._undo_keys(keys), [lock_id, TIME_TOLERANCE_MS])
             raise self._too_few(acks, "the lock was released again.")
         return result
@@ -391,9 +402,10 @@ class RedisBackend(BaseLockBackend):
     ) -> AcquireResult:
         keys, args, lock_id = self._acquire_args(key, ttl_ms, ticket)
         reply, acks = await self._awrite("acquire", keys, args)
-        result = self._acquired(reply, key, lock_id)
+        result = self._acquired(reply, key, lock_id, keys)
         if result.ok and acks < self.wait_replicas:
             undo = self._undo_keys(keys)
+            self._held_names.forget(lock_id)
             await self._acall("release", undo, [lock_id, TIME_TOLERANCE_MS])
             raise self._too_few(acks, "the lock was released again.")
         return result
@@ -414,6 +426,9 @@ class RedisBackend(BaseLockBackend):
         slot = slots.lock_id_slot(lock_id)
         if slot is None:
             return None
+        known = self._held_names.get(lock_id)
+        if known is not None:
+            return [index, known]
         try:
             name = self.client.get(index)
         except redis_error() as exc:
@@ -427,6 +442,9 @@ class RedisBackend(BaseLockBackend):
         slot = slots.lock_id_slot(lock_id)
         if slot is None:
             return None
+        known = self._held_names.get(lock_id)
+        if known is not None:
+            return [index, known]
         try:
             name = await self.clients.async_client().get(index)
         except redis_error() as exc:
@@ -466,6 +484,7 @@ class RedisBackend(BaseLockBackend):
 
     def _release(self, lock_id: str, cancel: CancelToken | None) -> ReleaseResult:
         keys, args = self._id_keys(lock_id), [lock_id, TIME_TOLERANCE_MS]
+        self._held_names.forget(lock_id)
         if keys is None:
             return ReleaseResult(ok=False, reason="not-found")
         reply, acks = self._write("release", keys, args)
@@ -473,6 +492,7 @@ class RedisBackend(BaseLockBackend):
 
     async def _arelease(self, lock_id: str, cancel: CancelToken | None) -> ReleaseResult:
         keys, args = await self._aid_keys(lock_id), [lock_id, TIME_TOLERANCE_MS]
+        self._held_names.forget(lock_id)
         if keys is None:
             return ReleaseResult(ok=False, reason="not-found")
         reply, acks = await self._awrite("release", keys, args)
@@ -869,6 +889,34 @@ def _queue_script(pipe: Any, script: Any, keys: list[str], args: list[Any]) -> N
     16,384 of these)."""
     pipe.scripts.add(script)
     pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+
+
+class _HeldNames:
+    """lock id -> lock hash name of the locks one backend object acquired on a
+    cluster, so that its own release, extend and lookup by id send the script at once
+    (the index read only tells the name, which the acquire knew). Safe to be wrong
+    about: the script still checks that the index names that hash and that the hash
+    is held by that id. Bounded: past :data:`MAX_HELD_NAMES`, the oldest entries go
+    (a lock never released by this object costs one entry until then), and a miss
+    only costs the index read. Thread-safe; a forked child builds its own backends."""
+
+    def __init__(self) -> None:
+        self._names: OrderedDict[str, str] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def remember(self, lock_id: str, name: str) -> None:
+        with self._lock:
+            self._names[lock_id] = name
+            if len(self._names) > MAX_HELD_NAMES:
+                self._names.popitem(last=False)
+
+    def get(self, lock_id: str) -> str | None:
+        with self._lock:
+            return self._names.get(lock_id)
+
+    def forget(self, lock_id: str) -> None:
+        with self._lock:
+            self._names.pop(lock_id, None)
 
 
 def _parse_idle_cursor(cursor: str | None) -> tuple[tuple[int, int] | None, list[str]]:
