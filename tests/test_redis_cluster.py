@@ -246,6 +246,7 @@ def test_round_trips_counted_on_the_connections(redis_cluster_harness):
         count("lookup by id", lambda: other.lookup(lock_id=held.lock_id))
         count("extend", lambda: other.extend(held.lock_id, TTL))
         held_again = backend.acquire("trips:again", TTL)
+        other.lookup(lock_id=held_again.lock_id)  # other's connection to that node
         count("own release", lambda: backend.release(held.lock_id))
         count("release again", lambda: backend.release(held.lock_id))
         count("release", lambda: other.release(held_again.lock_id))
