@@ -29,7 +29,7 @@ from .errors import (
     SyncGuardError,
     TransientError,
 )
-from .fencing import fenced_update, format_fence
+from .fencing import afenced_update, fenced_update, format_fence
 from .handler import locks
 from .helpers import alock, lock
 from .keys import (
@@ -94,6 +94,7 @@ __all__ = [
     "StaleFenceError",
     "SyncGuardError",
     "TransientError",
+    "afenced_update",
     "aget_by_id",
     "aget_by_id_raw",
     "aget_by_key",

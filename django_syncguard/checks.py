@@ -22,6 +22,9 @@
 ``syncguard.W003``  A ``@locked`` function's ``ttl_ms`` cannot outlast one call to its
                     backend (``OPERATION_TIMEOUT_MS``), or, with ``auto_extend``, the
                     lease left at a renewal (two thirds of ``ttl_ms``) cannot.
+``syncguard.W004``  A ``@locked`` key template names a parameter of the function as
+                    literal text (``"invoice:pk"`` on ``def pay(pk)``): one key for
+                    every call.
 ``syncguard.W013``  Two aliases share one key namespace with nested prefixes (Redis:
                     ``KEY_PREFIX`` "a" and "a:b" on one server): the outer alias's keys
                     include the inner one's, and its fence compaction deletes the
@@ -48,7 +51,7 @@ for problems that prevent building it; then the built backend, ``backend.check()
 The checks without ``deploy`` do no I/O: they build each backend in a private
 :class:`~django_syncguard.handler.LockHandler` (never the shared ``locks``, which must
 not cache a backend built from settings a check found wrong) and close it again.
-``E006`` and ``W003`` judge the functions :mod:`django_syncguard.registry` recorded:
+``E006``, ``W003`` and ``W004`` judge the functions :mod:`django_syncguard.registry` recorded:
 those decorated with ``@locked(...)`` in code imported by the time the checks run,
 and given an alias (a backend object passed as ``using=`` is not checked).
 """
@@ -63,6 +66,7 @@ from django.core import checks
 from .contract import LockBackend
 from .errors import LockError
 from .handler import InvalidBackendError, LockHandler
+from .key_templates import KeyTemplate
 from .registry import LockedFunction, locked_functions
 
 E001 = "SYNCGUARD_BACKENDS must be a dict mapping aliases to backend settings."
@@ -97,6 +101,12 @@ W003_RENEWAL = (
     "of lock backend {using!r} ({timeout} ms): the lease can expire while a renewal is "
     "still allowed to wait for the server."
 )
+W004 = (
+    "{function}: the key template {template!r} has {param!r} as literal text, and "
+    "{function} takes a parameter {param!r}: every call locks the same key, whatever "
+    "{param} is."
+)
+W004_HINT = "Write the parameter as a placeholder: @locked({fixed!r})."
 W003_RENEWAL_HINT = (
     "Give ttl_ms at least {minimum} ms (1.5 x OPERATION_TIMEOUT_MS), or lower OPERATION_TIMEOUT_MS."
 )
@@ -195,7 +205,7 @@ def _construction_error(alias: str, exc: Exception) -> checks.CheckMessage:
 def check_locked_functions(
     aliases: Sequence[str], timeouts: Mapping[str, int]
 ) -> list[checks.CheckMessage]:
-    """E006 and W003 for every ``@locked`` function in the registry.
+    """E006, W003 and W004 for every ``@locked`` function in the registry.
 
     ``aliases`` are the aliases ``SYNCGUARD_BACKENDS`` defines (``"default"`` alone
     when the setting is absent); ``timeouts`` maps each alias whose backend could be
@@ -204,6 +214,7 @@ def check_locked_functions(
     configured = ", ".join(repr(a) for a in aliases) or "none"
     messages: list[checks.CheckMessage] = []
     for entry in locked_functions():
+        messages.extend(_check_literal_params(entry))
         if entry.using is None:
             continue
         if entry.using not in aliases:
@@ -217,6 +228,20 @@ def check_locked_functions(
         elif entry.using in timeouts:  # else the alias's own error is reported already
             messages.extend(_check_ttl(entry, timeouts[entry.using]))
     return messages
+
+
+def _check_literal_params(entry: LockedFunction) -> list[checks.CheckMessage]:
+    """W004 for each parameter the key template names as literal text."""
+    template = KeyTemplate(entry.template) if entry.literal_params else None
+    return [
+        checks.Warning(
+            W004.format(function=entry.name, template=entry.template, param=param),
+            hint=W004_HINT.format(fixed=template.with_placeholder(param)),
+            id="syncguard.W004",
+        )
+        for param in entry.literal_params
+        if template is not None
+    ]
 
 
 def _check_ttl(entry: LockedFunction, timeout: int) -> list[checks.CheckMessage]:

@@ -61,7 +61,9 @@ class locked:  # noqa: N801 - used like a function, as contextlib's helpers are
             raise InvalidArgument(f"locked(...) decorates a callable, not {fn!r}.")
         signature = inspect.signature(fn)
         self.template.check_against(fn, signature)
-        register_locked(fn, self.spec)  # for the system checks (syncguard.E006, W003)
+        # For the system checks (syncguard.E006, W003, W004).
+        literal = self.template.literal_parameters(signature)
+        register_locked(fn, self.spec, self.template.template, literal)
         render = functools.partial(self.template.render, signature)
 
         if inspect.iscoroutinefunction(fn):

@@ -115,13 +115,32 @@ def fenced_update(queryset: Any, fence: str, *, field: str = "fence", **updates:
     writing again and is applied. Works with a ``CharField`` fence (the 15-digit
     string) or an integer field (its value).
     """
+    stored, applies = _fenced(queryset, fence, field)
+    written = int(queryset.filter(applies).update(**{**updates, field: stored}))
+    if written == 0 and queryset.filter(**{f"{field}__gt": stored}).exists():
+        raise StaleFenceError(fence)
+    return written
+
+
+async def afenced_update(queryset: Any, fence: str, *, field: str = "fence", **updates: Any) -> int:
+    """The async twin of :func:`fenced_update`, for async views and tasks: the same
+    rules, checks and errors (``InvalidArgument`` before any query, ``StaleFenceError``
+    when a newer holder has written), through Django's async queryset methods
+    (``aupdate``, ``aexists``), so no ``SynchronousOnlyOperation``."""
+    stored, applies = _fenced(queryset, fence, field)
+    written = int(await queryset.filter(applies).aupdate(**{**updates, field: stored}))
+    if written == 0 and await queryset.filter(**{f"{field}__gt": stored}).aexists():
+        raise StaleFenceError(fence)
+    return written
+
+
+def _fenced(queryset: Any, fence: str, field: str) -> tuple[Any, Any]:
+    """(the fence as ``field`` stores it, the condition of the rows it may write),
+    after checking the fence and the field (no query)."""
     from django.db import models
 
     validate_fence(fence)
     model_field = _fence_field(queryset.model, field)
     stored: Any = int(fence) if isinstance(model_field, models.IntegerField) else fence
     applies = models.Q(**{f"{field}__isnull": True}) | models.Q(**{f"{field}__lte": stored})
-    written = int(queryset.filter(applies).update(**{**updates, field: stored}))
-    if written == 0 and queryset.filter(**{f"{field}__gt": stored}).exists():
-        raise StaleFenceError(fence)
-    return written
+    return stored, applies

@@ -20,6 +20,8 @@ from .keys import normalize_and_validate_key
 _PLACEHOLDER = re.compile(r"<([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)>")
 _FORMAT_FIELD = re.compile(r"\{[A-Za-z_][\w.]*\}")
 _HINT = "placeholders are written <name> or <name.attribute>"
+_WORD = re.compile(r"[A-Za-z_]\w*")
+_VARIADIC = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
 
 
 class KeyTemplate:
@@ -46,6 +48,32 @@ class KeyTemplate:
                     f"<{placeholder}> names no parameter (parameters: "
                     f"{', '.join(params) or 'none'})."
                 )
+
+    def literal_parameters(self, signature: inspect.Signature) -> tuple[str, ...]:
+        """Parameters of the callable that the template names as literal text, not as a
+        placeholder: ``"invoice:pk"`` on ``def pay(pk)`` locks one key for every
+        invoice (the system check ``syncguard.W004`` says so). ``self`` and ``cls`` are
+        left out, and so is a name also used as a placeholder (``"pk:<pk>"``)."""
+        used = {placeholder.split(".", 1)[0] for placeholder in self.placeholders}
+        words = _WORD.findall(_PLACEHOLDER.sub(" ", self.template))
+        names = [p.name for p in signature.parameters.values() if p.kind not in _VARIADIC]
+        return tuple(
+            name
+            for name in dict.fromkeys(words)
+            if name in names and name not in used and name not in ("self", "cls")
+        )
+
+    def with_placeholder(self, name: str) -> str:
+        """The template with the literal word ``name`` written as ``<name>`` (the fix
+        W004 suggests); placeholders are left as they are."""
+        parts = _PLACEHOLDER.split(self.template)
+        # split() with one group alternates literal text and placeholder names.
+        return "".join(
+            re.sub(rf"(?<![\w.]){re.escape(name)}(?!\w)", f"<{name}>", part)
+            if n % 2 == 0
+            else f"<{part}>"
+            for n, part in enumerate(parts)
+        )
 
     def literal_key(self) -> str:
         """The key of a template without placeholders (``with locked(...)``)."""

@@ -6,8 +6,9 @@ function's dotted name and the options the checks need; no reference to the func
 or to a backend object is kept, and an identical entry is stored once, so decorating
 closures in a loop does not grow the registry. Reads no settings.
 
-``syncguard.E006`` and ``syncguard.W003`` (see :mod:`django_syncguard.checks`) walk
-:func:`locked_functions`. Tests isolate it with :func:`snapshot` and :func:`restore`.
+``syncguard.E006``, ``syncguard.W003`` and ``syncguard.W004`` (see
+:mod:`django_syncguard.checks`) walk :func:`locked_functions`. Tests isolate it with
+:func:`snapshot` and :func:`restore`.
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ class LockedFunction(NamedTuple):
     using: str | None
     ttl_ms: int
     auto_extend: bool
+    #: The key template, and the parameters it names as literal text (W004).
+    template: str = ""
+    literal_params: tuple[str, ...] = ()
 
 
 _entries: dict[LockedFunction, None] = {}  # an ordered set
@@ -45,13 +49,21 @@ def qualified_name(fn: Callable[..., Any]) -> str:
     return f"{module}.{qualname}" if isinstance(module, str) else qualname
 
 
-def register_locked(fn: Callable[..., Any], spec: LockSpec) -> None:
-    """Record that ``fn`` is decorated with ``locked(...)`` of options ``spec``."""
+def register_locked(
+    fn: Callable[..., Any],
+    spec: LockSpec,
+    template: str = "",
+    literal_params: tuple[str, ...] = (),
+) -> None:
+    """Record that ``fn`` is decorated with ``locked(template, ...)`` of options ``spec``,
+    whose template names ``literal_params`` of ``fn`` as literal text."""
     entry = LockedFunction(
         name=qualified_name(fn),
         using=spec.using if isinstance(spec.using, str) else None,
         ttl_ms=spec.ttl_ms,
         auto_extend=spec.auto_extend,
+        template=template,
+        literal_params=literal_params,
     )
     with _mutex:
         _entries[entry] = None

@@ -270,3 +270,20 @@ def test_an_unreachable_backend_is_reported_on_the_page(as_user):
     html = response.content.decode()
     assert response.status_code == 200
     assert "The &#x27;down&#x27; backend could not be listed: Redis (&#x27;down&#x27;):" in html
+
+
+def test_without_the_key_permission_the_key_filter_tells_nothing(as_user, memory_alias):
+    # Keys that name people: the filter must not answer "customer:a..." one character
+    # at a time to someone who may not see keys.
+    memory_alias.acquire("customer:alice", TTL)
+    memory_alias.acquire("customer:bob", TTL)
+    client = as_user("view_lock")
+
+    pages = [client.get(INSPECTOR, {"q": q}).content.decode() for q in ("customer:a", "zzz", "")]
+
+    assert 'name="q"' not in pages[2]  # no filter offered
+    hashes = [sorted(re.findall(r"[0-9a-f]{24}", page)) for page in pages]
+    assert hashes[0] == hashes[1] == hashes[2]  # every query shows every lock
+    assert len(set(hashes[0])) >= 2
+    assert all("customer:" not in page for page in pages)
+    assert all("2 locks on this page." in page for page in pages)

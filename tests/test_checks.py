@@ -564,8 +564,8 @@ def test_registry_records_each_decoration_once():
     locked("job", using="x", ttl_ms=2_000, auto_extend=True)(work)
     name = f"{here('test_registry_records_each_decoration_once')}.work"
     assert registry.locked_functions() == (
-        registry.LockedFunction(name, "x", 1_000, False),
-        registry.LockedFunction(name, "x", 2_000, True),
+        registry.LockedFunction(name, "x", 1_000, False, "job"),
+        registry.LockedFunction(name, "x", 2_000, True, "job"),
     )
 
 
@@ -599,3 +599,54 @@ def test_manage_py_check_fails_on_an_unknown_alias(settings):
 def test_check_backends_can_be_called_directly(bad_shape):
     bad_shape.SYNCGUARD_BACKENDS = ["bad"]
     assert [m.id for m in check_backends()] == ["syncguard.E001"]
+
+
+# ------------------------------------------------------------------- W004
+@pytest.mark.usefixtures("debug")
+def test_w004_a_parameter_written_as_literal_text():
+    @locked("invoice:pk")
+    def pay(pk): ...
+
+    function = f"{here('test_w004_a_parameter_written_as_literal_text')}.pay"
+    assert only(run()) == (
+        "syncguard.W004",
+        checks.WARNING,
+        f"{function}: the key template 'invoice:pk' has 'pk' as literal text, and "
+        f"{function} takes a parameter 'pk': every call locks the same key, whatever pk is.",
+        "Write the parameter as a placeholder: @locked('invoice:<pk>').",
+    )
+
+
+@pytest.mark.usefixtures("debug")
+def test_w004_names_each_literal_parameter_and_keeps_the_placeholders():
+    @locked("acct-<account.id>:order:order_id", ttl_ms=60_000)
+    def ship(account, order, order_id): ...
+
+    messages = run()
+    assert [m.id for m in messages] == ["syncguard.W004", "syncguard.W004"]
+    assert ["has 'order' as" in messages[0].msg, "has 'order_id' as" in messages[1].msg] == [
+        True,
+        True,
+    ]
+    assert [m.hint for m in messages] == [
+        "Write the parameter as a placeholder: @locked('acct-<account.id>:<order>:order_id').",
+        "Write the parameter as a placeholder: @locked('acct-<account.id>:order:<order_id>').",
+    ]
+
+
+@pytest.mark.usefixtures("debug")
+def test_w004_stays_quiet_for_placeholders_words_inside_others_and_self():
+    class Jobs:
+        @locked("jobs:self:<pk>")
+        def run(self, pk): ...
+
+    @locked("pk:<pk>")  # the literal "pk" is a label: the parameter is used
+    def labelled(pk): ...
+
+    @locked("invoice_pk:<n>")  # "pk" only inside a longer word
+    def inner(pk, n): ...
+
+    @locked("nightly-report")  # no parameter named like a word of it
+    def report(day): ...
+
+    assert run() == []

@@ -6,7 +6,7 @@ import pytest
 from django.db import connection
 from django.test.utils import CaptureQueriesContext
 
-from django_syncguard import InvalidArgument, StaleFenceError, fenced_update
+from django_syncguard import InvalidArgument, StaleFenceError, afenced_update, fenced_update
 from tests.support.factories import AccountFactory, LedgerFactory
 from tests.testapp.models import Account, Ledger
 
@@ -91,3 +91,54 @@ def test_a_field_that_cannot_hold_a_fence_is_refused_before_any_query(field, kin
     assert len(queries) == 0
     ledger.refresh_from_db()
     assert ledger.total == 0
+
+
+# ------------------------------------------------------------- afenced_update
+@pytest.mark.django_db(transaction=True)
+async def test_afenced_update_writes_refuses_stale_and_lets_the_holder_write_again():
+    account = await Account.objects.acreate(name="async", fence=F4, balance=100)
+    rows = Account.objects.filter(pk=account.pk)
+    with pytest.raises(StaleFenceError) as caught:
+        await afenced_update(rows, F3, balance=0)
+    assert caught.value.fence == F3
+    assert await afenced_update(rows, F4, balance=1) == 1
+    assert await afenced_update(rows, F5, balance=2) == 1
+    assert await afenced_update(Account.objects.filter(name="nobody"), F5, balance=3) == 0
+    stored = await rows.aget()
+    assert (stored.balance, stored.fence) == (2, F5)
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_afenced_update_with_an_integer_fence_field():
+    ledger = await Ledger.objects.acreate(version=4)
+    rows = Ledger.objects.filter(pk=ledger.pk)
+    with pytest.raises(StaleFenceError):
+        await afenced_update(rows, F3, field="version", total=9)
+    assert await afenced_update(rows, F5, field="version", total=9) == 1
+    stored = await rows.aget()
+    assert (stored.total, stored.version) == (9, 5)
+
+
+@pytest.mark.parametrize("fence", ["1", 3, None])
+async def test_afenced_update_refuses_bad_input_before_any_query(fence):
+    # Checked before the first query, by the code fenced_update shares (whose tests
+    # above count the queries).
+    with pytest.raises(InvalidArgument):
+        await afenced_update(Account.objects.all(), fence, balance=1)
+    with pytest.raises(InvalidArgument, match="no field 'nope'"):
+        await afenced_update(Account.objects.all(), F3, field="nope")
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_an_async_view_pays_with_afenced_update(async_client):
+    account = await Account.objects.acreate(name="async-view", balance=10)
+    url = f"/async/accounts/default/{account.pk}/deposit/"
+    first = await async_client.post(url)
+    second = await async_client.post(url)
+    assert [first.status_code, second.status_code] == [200, 200]
+    assert int(second.json()["fence"]) == int(first.json()["fence"]) + 1
+    stored = await Account.objects.aget(pk=account.pk)
+    assert (stored.balance, stored.fence) == (12, second.json()["fence"])
+    # A holder whose lease has passed to a newer one: its fenced write is refused.
+    with pytest.raises(StaleFenceError):
+        await afenced_update(Account.objects.filter(pk=account.pk), first.json()["fence"])

@@ -27,6 +27,7 @@ API_NAMES = {
     "make_storage_key",
     "hash_key",
     "format_fence",
+    "afenced_update",
     "is_live",
     "MAX_KEY_LENGTH_BYTES",
     "TIME_TOLERANCE_MS",

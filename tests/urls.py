@@ -14,4 +14,5 @@ urlpatterns = [
     path("accounts/<str:database>/<int:pk>/deposit/", views.deposit),
     path("accounts/<str:database>/<int:pk>/deposit-then-fail/", views.deposit_then_fail),
     path("accounts/<str:database>/<int:pk>/balance/", views.balance),
+    path("async/accounts/<str:database>/<int:pk>/deposit/", views.adeposit),
 ]

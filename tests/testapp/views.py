@@ -5,7 +5,13 @@ from django.db import connections
 from django.http import JsonResponse
 from django.views.decorators.csrf import csrf_exempt
 
-from django_syncguard import AcquisitionTimeout, current_lock, locked
+from django_syncguard import (
+    AcquisitionTimeout,
+    StaleFenceError,
+    afenced_update,
+    current_lock,
+    locked,
+)
 from tests.testapp.models import Account, Ledger
 
 
@@ -131,3 +137,18 @@ def balance(request, database, pk):
     """The balance, read under the lock; refused at once if the lock is held."""
     account = Account.objects.using(database).get(pk=pk)
     return JsonResponse({"balance": account.balance, "fence": current_lock().fence})
+
+
+@csrf_exempt
+@locked("account:<pk>", until_commit=False)
+async def adeposit(request, database, pk):
+    """Add one to the balance with an async fenced write (``afenced_update``); 409
+    when a newer holder has already written the row."""
+    accounts = Account.objects.using(database).filter(pk=pk)
+    lease = current_lock()
+    try:
+        account = await accounts.aget()
+        await afenced_update(accounts, lease.fence, balance=account.balance + 1)
+    except StaleFenceError:
+        return JsonResponse({"error": "stale"}, status=409)
+    return JsonResponse({"fence": lease.fence})
