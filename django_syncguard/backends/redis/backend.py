@@ -105,8 +105,10 @@ W014_FENCES = {
         "from its clock), but unfenced work can overlap."
     ),
     "counter": (
-        "In counter mode the promoted replica's counters can also be behind: fenced "
-        "writes to rows written just before the failover are refused as stale."
+        "In counter mode the promoted replica's counters can also be behind: a fence "
+        "can be handed out a second time (a fenced write with an equal fence is "
+        "accepted), or fenced writes to rows written just before the failover are "
+        "refused as stale."
     ),
 }
 W014_HINT = (
