@@ -28,6 +28,18 @@ Release = Callable[[Any], None]
 MethodFactory = Callable[[int], tuple[Acquire, Release]]
 
 
+class Report:
+    """Lines printed as they come and kept for the report file."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def __call__(self, *lines: str) -> None:
+        for line in lines:
+            print(line, flush=True)
+            self.lines.append(line)
+
+
 @dataclass
 class Sample:
     cycles: int = 0

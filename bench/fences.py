@@ -61,6 +61,7 @@ sys.path.insert(0, str(ROOT))
 from bench.common import (  # noqa: E402
     ClientPool,
     MethodFactory,
+    Report,
     Sample,
     configure_django,
     create_bench_database,
@@ -104,18 +105,6 @@ class Target:
     kind: str
     location: str = ""
     port: int = 0
-
-
-class Report:
-    """Lines printed as they come and kept for the report file."""
-
-    def __init__(self) -> None:
-        self.lines: list[str] = []
-
-    def __call__(self, *lines: str) -> None:
-        for line in lines:
-            print(line, flush=True)
-            self.lines.append(line)
 
 
 def setup_django(port: int) -> None:

@@ -54,7 +54,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.common import ClientPool, MethodFactory, Sample, measure, parse_mode  # noqa: E402
+from bench.common import ClientPool, MethodFactory, Report, Sample, measure, parse_mode  # noqa: E402
 from bench.common import percentile_us as us  # noqa: E402
 from bench.contention import Cell, Pool, Target, analyse, handoff_gaps, make_backend, ms, pct  # noqa: E402
 
@@ -69,18 +69,6 @@ CELLS: dict[str, tuple[str, str, int]] = {
     "cluster-w1": ("Cluster, WAIT 1", "cluster", 1),
 }
 BASELINE = "single"
-
-
-class Report:
-    """Lines printed as they come and kept for the report file."""
-
-    def __init__(self) -> None:
-        self.lines: list[str] = []
-
-    def __call__(self, *lines: str) -> None:
-        for line in lines:
-            print(line, flush=True)
-            self.lines.append(line)
 
 
 # ------------------------------------------------------------------ servers
