@@ -294,7 +294,9 @@ def test_without_the_key_permission_the_key_filter_tells_nothing(as_user, memory
     assert all("2 locks on this page." in page for page in pages)
 
 
-def test_without_the_key_permission_no_page_tells_anything_about_keys(as_user, memory_alias):
+def test_without_the_key_permission_no_page_tells_anything_about_keys(
+    as_user, memory_alias, caplog
+):
     """The list (with and without a filter), the confirmation pages, the messages of
     both outcomes and the admin index's recent actions: no key, no key's hash_key
     (which hashing guesses would match), no lock id nor its hash_key appears; a key is
@@ -332,3 +334,6 @@ def test_without_the_key_permission_no_page_tells_anything_about_keys(as_user, m
     assert f"Lock {shown[alice]} force-released." in released
     assert f"Lock {shown[bob]} was no longer held by the holder you saw" in refused
     assert f"lock {shown[alice]} on &#x27;default&#x27;" in index
+    # The operators' log line too.
+    [line] = [r.getMessage() for r in caplog.records if r.name == "django_syncguard.inspector"]
+    assert line.startswith(f"Lock {shown[alice]} on 'default' force-released by staff-")

@@ -17,7 +17,8 @@ import pytest
 from django.conf import settings
 from django.test import override_settings
 
-from django_syncguard import InvalidArgument, hash_key, locked
+from django_syncguard import InvalidArgument, generate_lock_id, hash_key, locked
+from django_syncguard.fencing import check_fence
 from django_syncguard.keys import DISPLAY_HASH_SALT, display_hash, display_hash_of
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -127,3 +128,14 @@ def test_log_lines_and_thread_names_show_the_display_hash(mem, caplog):
     [line] = [r.getMessage() for r in caplog.records if "Lost the lock" in r.getMessage()]
     assert line.startswith(f"Lost the lock on key {shown} (fence 000000000000001):")
     assert hash_key("invoice:1") not in caplog.text
+
+
+def test_the_fence_warning_names_the_key_by_its_display_hash(caplog):
+    caplog.set_level(logging.WARNING, logger="django_syncguard")
+    key = f"warn-{generate_lock_id()}"  # warned once per key and process: a fresh one
+
+    check_fence("090000000000001", key)
+
+    [line] = [r.getMessage() for r in caplog.records]
+    assert line.startswith(f"Lock fence 090000000000001 of key {display_hash(key)} is above")
+    assert hash_key(key) not in line
