@@ -32,7 +32,7 @@ from .constants import (
     DEFAULT_TIMEOUT_MS,
 )
 from .errors import AcquisitionTimeout, InvalidArgument
-from .keys import hash_key
+from .keys import display_hash
 
 Backoff = Literal["exponential", "fixed"]
 Jitter = Literal["equal", "full", "none"]
@@ -124,9 +124,9 @@ class RetrySchedule:
             raise self._timeout(f"{self.policy.timeout_ms:g} ms ({self.attempt + 1} attempts)")
 
     def _timeout(self, after: str) -> AcquisitionTimeout:
-        """The error for giving up; it names the key by its hash (the raw key is in the
-        context only, as logs and error trackers show messages)."""
-        key_hash = hash_key(self.key)
+        """The error for giving up; it names the key by its display hash (the raw key is
+        in the context only, as logs and error trackers show messages)."""
+        key_hash = display_hash(self.key)
         return AcquisitionTimeout(
             f"Lock on key {key_hash} still held after {after}.",
             context={"key": self.key, "key_hash": key_hash},

@@ -8,7 +8,7 @@ import pytest
 
 from django_syncguard import AcquireResult, AcquisitionTimeout, InvalidArgument
 from django_syncguard.acquisition import aacquire_with_retry, acquire_with_retry
-from django_syncguard.keys import hash_key
+from django_syncguard.keys import display_hash, hash_key
 from django_syncguard.retry import RetryPolicy
 from django_syncguard.waiting import WaitSession
 
@@ -100,10 +100,12 @@ def test_total_attempts_are_max_retries_plus_one():
     assert len(calls) == 4
     assert t.sleeps_ms == [10, 20, 40]
     assert caught.value.code == "AcquisitionTimeout"
-    assert caught.value.context == {"key": "k", "key_hash": hash_key("k")}
+    # The hash people see is keyed with SECRET_KEY, never the bare hash_key.
+    assert caught.value.context == {"key": "k", "key_hash": display_hash("k")}
     assert str(caught.value) == (
-        f"Lock on key {hash_key('k')} still held after 4 attempts (max_retries=3)."
+        f"Lock on key {display_hash('k')} still held after 4 attempts (max_retries=3)."
     )
+    assert hash_key("k") not in str(caught.value)
 
 
 class PollingSession:
