@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .errors import LockError, TransientError
-from .keys import hash_key
+from .keys import display_hash
 
 if TYPE_CHECKING:
     from .backends.base import BaseLockBackend
@@ -136,7 +136,7 @@ class OrphanReleaser:
     def adopt(self, lock_id: str, key: str, error: BaseException) -> bool:
         """Release ``lock_id`` (an acquire of ``key`` that failed with ``error``) in
         the background; ``False`` when too many wait already."""
-        key_hash = hash_key(key)
+        key_hash = display_hash(key)
         with self._mutex:
             if len(self._pending) >= MAX_PENDING:
                 logger.warning(

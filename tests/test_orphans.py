@@ -254,7 +254,9 @@ async def test_a_cancelled_async_acquire_on_a_stalled_server_is_released(redis_s
         task = asyncio.ensure_future(backend.aacquire("orphan:cancelled", 60_000))
         await asyncio.get_running_loop().run_in_executor(None, proxy.wait_for_held_request)
         task.cancel()
-        with pytest.raises(asyncio.CancelledError):
+        # redis-py's read timeout sometimes turns the cancellation into its own
+        # TimeoutError (NetworkTimeout here): either way the request is out.
+        with pytest.raises((asyncio.CancelledError, NetworkTimeout)):
             await task
         assert backend.orphans.pending == 1
         proxy.resume()  # the held acquire reaches Redis and takes the key
