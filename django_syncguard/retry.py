@@ -84,6 +84,17 @@ class RetryPolicy:
             return rng() * base
         return base
 
+    def longest_wait_ms(self) -> float:
+        """How long, at most, the waiting loop waits between its first attempt and its
+        last: ``timeout_ms``, or less when its ``max_retries`` delays add up to less
+        (each delay is at most its base: every jitter only shortens it). The system
+        check ``syncguard.W005`` compares it with the lease a killed holder leaves."""
+        if self.backoff == "fixed":
+            by_retries = float(self.retry_delay_ms) * self.max_retries
+        else:  # the bases 1, 2, 4, ... times retry_delay_ms add up to 2 ** n - 1 times it
+            by_retries = self.retry_delay_ms * (2.0 ** min(self.max_retries, _MAX_EXPONENT) - 1)
+        return min(float(self.timeout_ms), by_retries)
+
 
 def _not_number(value: Any, *, integral: bool = False) -> bool:
     kinds: tuple[type, ...] = (int,) if integral else (int, float)
