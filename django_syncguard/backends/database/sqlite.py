@@ -69,10 +69,10 @@ SELECT_FENCES = (
     "(SELECT fence FROM syncguard_fence_counters WHERE fence_key = %s)"
 )
 UPSERT_LOCK = (
-    f"INSERT INTO syncguard_locks ({LOCK_COLUMNS}) VALUES (%s, %s, %s, %s, %s, %s) "
+    f"INSERT INTO syncguard_locks ({LOCK_COLUMNS}) VALUES (%s, %s, %s, %s, %s, %s, %s) "
     "ON CONFLICT (key) DO UPDATE SET lock_id = excluded.lock_id, "
     "expires_at_ms = excluded.expires_at_ms, acquired_at_ms = excluded.acquired_at_ms, "
-    "fence = excluded.fence, user_key = excluded.user_key"
+    "fence = excluded.fence, user_key = excluded.user_key, owner = excluded.owner"
 )
 UPSERT_FENCE = (
     "INSERT INTO syncguard_fence_counters (fence_key, fence, acquired_at_ms) "
@@ -266,9 +266,10 @@ class SqliteOperations(DatabaseOperations):
         ticket: WaitTicket | None = None,
         *,
         clock: bool,
+        owner: str | None = None,
     ) -> AcquireReply:
         return self.run(
-            lambda c: self._acquire(c, keys, lock_id, ttl_ms, check_cancel, ticket, clock)
+            lambda c: self._acquire(c, keys, lock_id, ttl_ms, check_cancel, ticket, clock, owner)
         )
 
     def _acquire(
@@ -280,6 +281,7 @@ class SqliteOperations(DatabaseOperations):
         check_cancel: Callable[[], None],
         ticket: WaitTicket | None,
         clock: bool,
+        owner: str | None = None,
     ) -> AcquireReply:
         """Acquire in one transaction that holds the database lock from its start, so
         no other writer runs between the reads and the writes. A ticket for a held key,
@@ -291,7 +293,7 @@ class SqliteOperations(DatabaseOperations):
             return LOCKED, None, None, self._enqueue(cursor, keys.storage_key, ticket)
         try:
             reply, wrote = self._read_then_write(
-                cursor, keys, lock_id, ttl_ms, check_cancel, ticket, clock
+                cursor, keys, lock_id, ttl_ms, check_cancel, ticket, clock, owner
             )
             cursor.execute("COMMIT" if wrote else "ROLLBACK")
             return reply
@@ -357,6 +359,7 @@ class SqliteOperations(DatabaseOperations):
         check_cancel: Callable[[], None],
         ticket: WaitTicket | None,
         clock: bool,
+        owner: str | None = None,
     ) -> tuple[AcquireReply, bool]:
         """The acquire's reads and writes inside its transaction; the reply, and whether
         anything was written (to commit). The fence is ``next_fence`` of the counter
@@ -378,7 +381,15 @@ class SqliteOperations(DatabaseOperations):
         _write_queue(cursor, keys.storage_key, before, queue)
         cursor.execute(
             UPSERT_LOCK,
-            [keys.storage_key, lock_id, now + ttl_ms, now, format_fence(fence), keys.user_key],
+            [
+                keys.storage_key,
+                lock_id,
+                now + ttl_ms,
+                now,
+                format_fence(fence),
+                keys.user_key,
+                owner,
+            ],
         )
         cursor.execute(UPSERT_FENCE, [keys.fence_key, fence, now])
         return (ACQUIRED, fence, now + ttl_ms, None), True
@@ -478,6 +489,19 @@ class SqliteOperations(DatabaseOperations):
             return is_live(int(expires), now, TIME_TOLERANCE_MS)
 
         return self.run(is_locked)
+
+    def queue_stats(self, storage_keys: list[str]) -> list[Row]:
+        # The queue file keeps no queueing time (it predates the inspector's oldest
+        # wait): the count alone.
+        if not self.queues:
+            return []
+        marks = ", ".join(["%s"] * len(storage_keys))
+        sql = (
+            f"SELECT key, count(*), NULL FROM {QUEUE} WHERE key IN ({marks}) "
+            "AND live_until_ms > %s GROUP BY key"
+        )
+        params = [*storage_keys, self.clock()]
+        return self.run(lambda c: fetch_all(c, sql, params))
 
     def lookup(self, column: str, value: str) -> Row | None:
         now = self.clock()

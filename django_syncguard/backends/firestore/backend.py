@@ -39,6 +39,7 @@ from ...fence_floors import IdleCounter, next_fence
 from ...fencing import FENCE_MAX, fence_overflow_error, format_fence
 from ...keys import generate_lock_id
 from ...liveness import is_live
+from ...owners import QueueStats
 from ...results import AcquireResult, ExtendResult, LockPage, LockRecord, ReleaseResult
 from ...waiting import CHECK_IN_MS, WaitTicket, WakeUps, queue_admits, queue_head
 from ..base import BaseLockBackend, BatchedCleanup, mapping_option
@@ -54,6 +55,7 @@ from .documents import (
     FLOOR_ID,
     KEY,
     LOCK_ID,
+    OWNER,
     PURGE_AT,
     counter_id,
     document_id,
@@ -330,7 +332,7 @@ class FirestoreBackend(BatchedCleanup, BaseLockBackend):
         expires = now + ttl_ms
         waiting_until = last_until(queue)
         lock = {
-            **lock_fields(lock_id, key, format_fence(fence), now, expires),
+            **lock_fields(lock_id, key, format_fence(fence), now, expires, self._owner(), data),
             PURGE_AT: purge_at(max(expires, waiting_until or 0)),
             **queue_fields(data, queue, arrivals),
         }
@@ -672,6 +674,7 @@ class FirestoreBackend(BatchedCleanup, BaseLockBackend):
             expires_at_ms=int(data[EXPIRES_AT_MS]),
             acquired_at_ms=int(data[ACQUIRED_AT_MS]),
             fence=data[FENCE],
+            owner=data.get(OWNER),
         )
 
     def _live_record(self, snap: Any) -> LockRecord | None:
@@ -695,6 +698,23 @@ class FirestoreBackend(BatchedCleanup, BaseLockBackend):
     async def _alookup_by_id(self, lock_id: str, cancel: CancelToken | None) -> LockRecord | None:
         query = self._by_lock_id(lock_id, self.aclient())
         return self._one_live(await self._acall(_collect(query.stream())), lock_id)
+
+    def _queue_stats(self, keys: list[str]) -> dict[str, QueueStats]:
+        # The page's lock documents in one get_all; a queue place records no queueing
+        # time here (the count alone).
+        by_path = {self._refs(key)[0].path: key for key in keys}
+        refs = [self._refs(key)[0] for key in keys]
+        snaps = self._call(lambda: list(self.client.get_all(refs)))
+        stats: dict[str, QueueStats] = {}
+        for snap in snaps:
+            if not snap.exists:
+                continue
+            now = server_ms(snap.read_time)
+            live = sum(1 for _, until in queue_of(fields_of(snap)).values() if until > now)
+            key = by_path.get(snap.reference.path)
+            if live and key is not None:
+                stats[key] = QueueStats(live)
+        return stats
 
     # ---------------------------------------------------------- housekeeping
     def _list_locks(self, prefix: str, cursor: str | None, limit: int) -> LockPage:

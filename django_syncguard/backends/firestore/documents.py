@@ -6,6 +6,8 @@ A key's **lock document** (id: :func:`document_id`, in ``OPTIONS["COLLECTION"]``
     the lock (Firestore's clock, whole Unix ms); a *waiter-only* document has no
     ``lockId``, ``fence`` or ``acquiredAtMs``, and ``expiresAtMs`` = when its last
     waiter lapses;
+``owner``
+    the holder's label (:mod:`django_syncguard.owners`), absent when not recorded;
 ``purgeAt``
     when a TTL policy may delete the document (past its lock and its waiters);
 ``waiters``
@@ -44,6 +46,7 @@ LOCK_ID = "lockId"
 KEY = "key"
 FENCE = "fence"
 ACQUIRED_AT_MS = "acquiredAtMs"
+OWNER = "owner"
 EXPIRES_AT_MS = "expiresAtMs"
 PURGE_AT = "purgeAt"
 #: Document fields of a key's queue.
@@ -156,16 +159,29 @@ def has_waiters(snap: Any) -> bool:
 
 # ------------------------------------------------------------------ writes
 def lock_fields(
-    lock_id: str, key: str, fence: str, acquired_at_ms: int, expires_at_ms: int
+    lock_id: str,
+    key: str,
+    fence: str,
+    acquired_at_ms: int,
+    expires_at_ms: int,
+    owner: str | None = None,
+    data: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The lock fields of a lock document (without its queue and ``purgeAt``)."""
-    return {
+    """The lock fields of a lock document (without its queue and ``purgeAt``); with
+    no ``owner``, the deletion of the label a previous holder left in ``data`` (the
+    write is an update: a field it does not name stays)."""
+    fields: dict[str, Any] = {
         LOCK_ID: lock_id,
         EXPIRES_AT_MS: expires_at_ms,
         ACQUIRED_AT_MS: acquired_at_ms,
         KEY: key,
         FENCE: fence,
     }
+    if owner is not None:
+        fields[OWNER] = owner
+    elif data and OWNER in data:
+        fields[OWNER] = _firestore().DELETE_FIELD
+    return fields
 
 
 def queue_fields(data: Mapping[str, Any], queue: Queue, arrivals: int) -> dict[str, Any]:
@@ -184,6 +200,7 @@ def vacated(waiting_until: int) -> dict[str, Any]:
         LOCK_ID: delete,
         FENCE: delete,
         ACQUIRED_AT_MS: delete,
+        OWNER: delete,
         EXPIRES_AT_MS: waiting_until,
         PURGE_AT: purge_at(waiting_until),
     }
