@@ -54,8 +54,9 @@ __all__ = [
 
 #: The most bytes (UTF-8) a stored owner label takes.
 MAX_OWNER_BYTES = 128
-#: The most bytes of the host name and of the ``WHO`` part; the function gets the rest.
-PART_BYTES = 40
+#: The most bytes of the host name and of the ``WHO`` part (``task:`` and a 36-character
+#: Celery id fit); the function gets the rest.
+PART_BYTES = 48
 
 #: The qualified name of the ``@locked`` function running in this context.
 _function: ContextVar[str | None] = ContextVar("django_syncguard_owner_function", default=None)
