@@ -90,13 +90,21 @@ QUEUE_SCHEMA = "syncguard_queue"
 QUEUE = f"{QUEUE_SCHEMA}.syncguard_waiters"
 CREATE_QUEUE = (
     f"CREATE TABLE IF NOT EXISTS {QUEUE} (key text NOT NULL, ticket_id varchar(22) NOT NULL, "
-    "arrival bigint NOT NULL, live_until_ms bigint NOT NULL, PRIMARY KEY (key, ticket_id)) "
-    "WITHOUT ROWID"
+    "arrival bigint NOT NULL, live_until_ms bigint NOT NULL, queued_at_ms bigint, "
+    "PRIMARY KEY (key, ticket_id)) WITHOUT ROWID"
 )
+# A queue file made before queued_at_ms (the inspector's oldest wait) gets the column
+# when a connection attaches it; NULL in the rows written before, or by older code.
+QUEUE_COLUMNS = f"PRAGMA {QUEUE_SCHEMA}.table_info(syncguard_waiters)"
+ADD_QUEUED_AT = f"ALTER TABLE {QUEUE} ADD COLUMN queued_at_ms bigint"
 SELECT_QUEUE = f"SELECT ticket_id, arrival, live_until_ms FROM {QUEUE} WHERE key = %s"
+# A renewal keeps the ticket's queueing time; a new arrival number (the ticket came
+# back after its place lapsed: it goes to the end) starts it again.
 UPSERT_TICKET = (
-    f"INSERT INTO {QUEUE} (key, ticket_id, arrival, live_until_ms) "
-    "VALUES (%s, %s, %s, %s) ON CONFLICT (key, ticket_id) DO UPDATE SET "
+    f"INSERT INTO {QUEUE} (key, ticket_id, arrival, live_until_ms, queued_at_ms) "
+    "VALUES (%s, %s, %s, %s, %s) ON CONFLICT (key, ticket_id) DO UPDATE SET "
+    "queued_at_ms = CASE WHEN arrival = excluded.arrival THEN queued_at_ms "
+    "ELSE excluded.queued_at_ms END, "
     "arrival = excluded.arrival, live_until_ms = excluded.live_until_ms"
 )
 DELETE_TICKET = f"DELETE FROM {QUEUE} WHERE key = %s AND ticket_id = %s"
@@ -371,14 +379,14 @@ class SqliteOperations(DatabaseOperations):
         )
         if not take:
             check_cancel()  # before the queue's writes
-            wrote = _write_queue(cursor, keys.storage_key, before, queue)
+            wrote = _write_queue(cursor, keys.storage_key, before, queue, now)
             return (LOCKED, None, None, position), wrote
         last, floor = fetch_one(cursor, SELECT_FENCES, [keys.fence_key, FLOOR_KEY])
         fence = next_fence(int(last or 0), int(floor or 0), now if clock else None)
         if fence > FENCE_MAX:
             return (FENCE_OVERFLOW, None, None, None), False
         check_cancel()  # after the reads, before the writes
-        _write_queue(cursor, keys.storage_key, before, queue)
+        _write_queue(cursor, keys.storage_key, before, queue, now)
         cursor.execute(
             UPSERT_LOCK,
             [
@@ -405,7 +413,7 @@ class SqliteOperations(DatabaseOperations):
             _, position, before, queue = _queue_rule(
                 cursor, storage_key, now, free=False, ticket=ticket
             )
-            _write_queue(cursor, storage_key, before, queue)
+            _write_queue(cursor, storage_key, before, queue, now)
             return position
 
     def prepare_connection(self, raw: Any) -> None:
@@ -419,6 +427,10 @@ class SqliteOperations(DatabaseOperations):
             raw.execute(f"PRAGMA {QUEUE_SCHEMA}.journal_mode = WAL")
         raw.execute(f"PRAGMA {QUEUE_SCHEMA}.synchronous = OFF")
         raw.execute(CREATE_QUEUE)
+        if not any(row[1] == "queued_at_ms" for row in raw.execute(QUEUE_COLUMNS).fetchall()):
+            # Another connection may add it first: then the column is there all the same.
+            with suppress(OperationalError, sqlite3.OperationalError):
+                raw.execute(ADD_QUEUED_AT)
 
     def _name(self) -> str:
         return str(connections[self.database].settings_dict["NAME"])
@@ -491,13 +503,11 @@ class SqliteOperations(DatabaseOperations):
         return self.run(is_locked)
 
     def queue_stats(self, storage_keys: list[str]) -> list[Row]:
-        # The queue file keeps no queueing time (it predates the inspector's oldest
-        # wait): the count alone.
         if not self.queues:
             return []
         marks = ", ".join(["%s"] * len(storage_keys))
         sql = (
-            f"SELECT key, count(*), NULL FROM {QUEUE} WHERE key IN ({marks}) "
+            f"SELECT key, count(*), min(queued_at_ms) FROM {QUEUE} WHERE key IN ({marks}) "
             "AND live_until_ms > %s GROUP BY key"
         )
         params = [*storage_keys, self.clock()]
@@ -619,14 +629,15 @@ def _queue_rule(
     return take, position, before, queue
 
 
-def _write_queue(cursor: Any, storage_key: str, before: Queue, after: Queue) -> bool:
-    """Store what the queue rule changed; whether it changed anything."""
+def _write_queue(cursor: Any, storage_key: str, before: Queue, after: Queue, now: int) -> bool:
+    """Store what the queue rule changed (a new place queued at ``now``); whether it
+    changed anything."""
     gone = [ticket for ticket in before if ticket not in after]
     changed = [(t, entry) for t, entry in after.items() if before.get(t) != entry]
     for ticket in gone:
         cursor.execute(DELETE_TICKET, [storage_key, ticket])
     for ticket, (arrival, until) in changed:
-        cursor.execute(UPSERT_TICKET, [storage_key, ticket, arrival, until])
+        cursor.execute(UPSERT_TICKET, [storage_key, ticket, arrival, until, now])
     return bool(gone or changed)
 
 

@@ -69,6 +69,7 @@ from .documents import (
     queue_fields,
     queue_of,
     queue_update,
+    queued_since,
     server_ms,
     vacated,
 )
@@ -318,7 +319,7 @@ class FirestoreBackend(BatchedCleanup, BaseLockBackend):
                 if ticket is None or not _renewal_due(before, queue[ticket.id], ticket, now):
                     return _Plan(AcquireResult.locked(position))
                 check_cancel(cancel, {"key": key})  # after reads, before writes
-                fields = queue_update(data, queue, arrivals)
+                fields = queue_update(data, queue, arrivals, now_ms=now)
                 batch.update(lock_ref, fields, **self._unchanged(current))
                 return _Plan(AcquireResult.locked(position), write=True)
         elif not free:
@@ -334,7 +335,7 @@ class FirestoreBackend(BatchedCleanup, BaseLockBackend):
         lock = {
             **lock_fields(lock_id, key, format_fence(fence), now, expires, self._owner(), data),
             PURGE_AT: purge_at(max(expires, waiting_until or 0)),
-            **queue_fields(data, queue, arrivals),
+            **queue_fields(data, queue, arrivals, now),
         }
         # The floor is read, not guarded: it only rises, and a raise that lands after
         # our read is followed by the deletes it protects, each of which either fails
@@ -700,8 +701,7 @@ class FirestoreBackend(BatchedCleanup, BaseLockBackend):
         return self._one_live(await self._acall(_collect(query.stream())), lock_id)
 
     def _queue_stats(self, keys: list[str]) -> dict[str, QueueStats]:
-        # The page's lock documents in one get_all; a queue place records no queueing
-        # time here (the count alone).
+        # The page's lock documents in one get_all.
         by_path = {self._refs(key)[0].path: key for key in keys}
         refs = [self._refs(key)[0] for key in keys]
         snaps = self._call(lambda: list(self.client.get_all(refs)))
@@ -709,11 +709,10 @@ class FirestoreBackend(BatchedCleanup, BaseLockBackend):
         for snap in snaps:
             if not snap.exists:
                 continue
-            now = server_ms(snap.read_time)
-            live = sum(1 for _, until in queue_of(fields_of(snap)).values() if until > now)
+            live, since = queued_since(fields_of(snap), server_ms(snap.read_time))
             key = by_path.get(snap.reference.path)
             if live and key is not None:
-                stats[key] = QueueStats(live)
+                stats[key] = QueueStats(live, since)
         return stats
 
     # ---------------------------------------------------------- housekeeping
