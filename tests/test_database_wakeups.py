@@ -714,3 +714,35 @@ def test_sqlite_queue_lives_beside_the_database_and_never_reaches_other_processe
             listener.close()
     finally:
         backend.close()
+
+
+@on_sqlite
+def test_a_queue_file_made_before_queueing_times_gets_the_column_on_attach():
+    old = build("default")
+    try:
+        # A queue file as version 0006 made it: no queued_at_ms.
+        query(old, f"ALTER TABLE {QUEUE} DROP COLUMN queued_at_ms", [])
+        assert "queued_at_ms" not in queue_columns(old)
+    finally:
+        old.close()
+    backend = build("default")  # its private connection attaches the file again
+    try:
+        assert "queued_at_ms" in queue_columns(backend)
+        held = backend.acquire("wake:upgraded", TTL)
+        before = backend.now_ms()
+        assert backend.acquire("wake:upgraded", TTL, ticket=WaitTicket.new()).ok is False
+        after = backend.now_ms()
+        [(waiters, since)] = [
+            (s.waiters, s.oldest_since_ms) for s in backend.queue_stats(["wake:upgraded"]).values()
+        ]
+        assert waiters == 1 and before <= since <= after
+        assert backend.release(held.lock_id).ok
+    finally:
+        backend.close()
+
+
+def queue_columns(backend: DatabaseBackend) -> set[str]:
+    return {
+        str(row[1])
+        for row in query(backend, "PRAGMA syncguard_queue.table_info(syncguard_waiters)", [])
+    }
