@@ -44,7 +44,8 @@ class _Store:
     floor: int = 0  # the fence floor (fence_floors.py)
     queues: dict[str, Queue] = field(default_factory=dict)  # key -> its waiters
     arrivals: int = 0  # numbers queue entries in arrival order
-    since: dict[str, dict[str, int]] = field(default_factory=dict)  # key -> ticket -> queued ms
+    # key -> ticket -> (its arrival number, when that place was queued, ms)
+    since: dict[str, dict[str, tuple[int, int]]] = field(default_factory=dict)
     wake_ups: WakeUps = field(default_factory=lambda: WakeUps("memory"))
 
 
@@ -158,9 +159,14 @@ class MemoryBackend(BatchedCleanup, BaseLockBackend):
         queue = store.queues.setdefault(key, {})
         store.arrivals += 1
         take, position = queue_admits(queue, now, free=free, ticket=ticket, arrival=store.arrivals)
-        # When each ticket still queued was first queued, for the inspector's oldest wait.
+        # When each place still queued was handed out, for the inspector's oldest wait: a
+        # renewal keeps it, a ticket that lapsed and came back (a new arrival) starts again.
         since = store.since.get(key, {})
-        store.since[key] = {ticket_id: since.get(ticket_id, now) for ticket_id in queue}
+        placed = {tid: since.get(tid, (0, now)) for tid in queue}
+        store.since[key] = {
+            tid: placed[tid] if placed[tid][0] == arrival else (arrival, now)
+            for tid, (arrival, _) in queue.items()
+        }
         if not queue:
             del store.queues[key]
             del store.since[key]
@@ -197,7 +203,9 @@ class MemoryBackend(BatchedCleanup, BaseLockBackend):
             for key in keys:
                 queue = self._store.queues.get(key, {})
                 since = self._store.since.get(key, {})
-                live = [since.get(tid, now) for tid, (_, until) in queue.items() if until > now]
+                live = [
+                    since.get(tid, (0, now))[1] for tid, (_, until) in queue.items() if until > now
+                ]
                 if live:
                     stats[key] = QueueStats(len(live), min(live))
             return stats
