@@ -26,7 +26,7 @@ from .constants import DEFAULT_TTL_MS
 from .contract import LockBackend, QueueingBackend, queues_of
 from .errors import AcquisitionTimeout, InvalidArgument
 from .handler import resolve_backend
-from .keys import hash_key, normalize_and_validate_key
+from .keys import display_hash, normalize_and_validate_key
 from .leases import Lease, pop_current, push_current
 from .results import AcquireResult
 from .retry import Backoff, Jitter, RetryPolicy, RetrySchedule
@@ -238,7 +238,7 @@ class LockSpec:
             return result
         if self.on_contended == "skip":
             raise Skipped(key)
-        key_hash = hash_key(key)
+        key_hash = display_hash(key)
         raise AcquisitionTimeout(
             f"Lock on key {key_hash} is held (on_contended='raise': one attempt, no wait).",
             context={"key": key, "key_hash": key_hash},
@@ -252,11 +252,12 @@ class LockSpec:
         if not transactions:
             self._release(lease)
             return
-        logger.debug(
-            "Lock on key %s: release deferred until %d transaction(s) end.",
-            hash_key(lease.key),
-            len(transactions),
-        )
+        if logger.isEnabledFor(logging.DEBUG):  # the keyed hash costs a few µs
+            logger.debug(
+                "Lock on key %s: release deferred until %d transaction(s) end.",
+                display_hash(lease.key),
+                len(transactions),
+            )
         release_after(partial(self._release, lease), transactions)
 
     def _release(self, lease: Lease) -> None:
@@ -271,7 +272,7 @@ class LockSpec:
         if self.on_release_error is None:
             logger.warning(
                 "Releasing the lock on key %s failed: %r. It will expire by its TTL.",
-                hash_key(lease.key),
+                display_hash(lease.key),
                 exc,
             )
             return
@@ -294,7 +295,7 @@ def _withdraw(backend: QueueingBackend, key: str, session: WaitSession) -> None:
     try:
         backend.withdraw(key, session.ticket.id)
     except Exception as exc:
-        logger.debug("Withdrawing a wait ticket on key %s failed: %r", hash_key(key), exc)
+        logger.debug("Withdrawing a wait ticket on key %s failed: %r", display_hash(key), exc)
 
 
 async def _awithdraw(backend: QueueingBackend, key: str, session: WaitSession) -> None:
@@ -303,7 +304,7 @@ async def _awithdraw(backend: QueueingBackend, key: str, session: WaitSession) -
     try:
         await backend.awithdraw(key, session.ticket.id)
     except Exception as exc:
-        logger.debug("Withdrawing a wait ticket on key %s failed: %r", hash_key(key), exc)
+        logger.debug("Withdrawing a wait ticket on key %s failed: %r", display_hash(key), exc)
 
 
 class _Attempts:

@@ -7,7 +7,8 @@ with a confirmation page and a reason that is written to the admin log.
 
 Permissions (``django_syncguard.<codename>``):
 
-- ``view_lock``: open the inspector (key hashes, fences, times, remaining TTL);
+- ``view_lock``: open the inspector (display hashes of keys, keyed with ``SECRET_KEY``;
+  fences, times, remaining TTL);
 - ``view_lock_key``: also see raw keys (they may name customers), and filter by key;
 - ``force_release_lock``: force-release a lock.
 """
@@ -28,7 +29,7 @@ from django.urls import URLPattern, path, reverse
 from . import inspector
 from .errors import LockError
 from .handler import InvalidBackendError, locks
-from .keys import hash_key
+from .keys import display_hash
 from .models import Lock
 
 VIEW_KEYS = "django_syncguard.view_lock_key"
@@ -146,7 +147,7 @@ class LockInspectorAdmin(_ModelAdmin):
         context = {
             **self._context(request, "Force-release a lock?"),
             "target": target,
-            "key_hash": hash_key(target.key),
+            "key_hash": display_hash(target.key),
             "show_keys": request.user.has_perm(VIEW_KEYS),
             "reason_missing": request.method == "POST",
             "back_url": back,
@@ -160,7 +161,7 @@ class LockInspectorAdmin(_ModelAdmin):
     def _force_release(
         self, request: HttpRequest, target: inspector.Target, reason: str, back: str
     ) -> HttpResponse:
-        key_hash = hash_key(target.key)
+        key_hash = display_hash(target.key)
         try:
             result = inspector.force_release(
                 locks[target.alias], target, user=request.user, reason=reason

@@ -25,6 +25,10 @@
 ``syncguard.W004``  A ``@locked`` key template names a parameter of the function as
                     literal text (``"invoice:pk"`` on ``def pay(pk)``): one key for
                     every call.
+``syncguard.W005``  A ``@locked`` function that is a Celery or Django task waits for its
+                    lock (``on_contended="wait"``) no longer than ``ttl_ms`` plus the
+                    takeover tolerance: the lease a killed holder leaves outlasts every
+                    run queued behind it, and each fails with ``AcquisitionTimeout``.
 ``syncguard.W013``  Two aliases share one key namespace with nested prefixes (Redis:
                     ``KEY_PREFIX`` "a" and "a:b" on one server): the outer alias's keys
                     include the inner one's, and its fence compaction deletes the
@@ -51,19 +55,25 @@ for problems that prevent building it; then the built backend, ``backend.check()
 The checks without ``deploy`` do no I/O: they build each backend in a private
 :class:`~django_syncguard.handler.LockHandler` (never the shared ``locks``, which must
 not cache a backend built from settings a check found wrong) and close it again.
-``E006``, ``W003`` and ``W004`` judge the functions :mod:`django_syncguard.registry` recorded:
-those decorated with ``@locked(...)`` in code imported by the time the checks run,
-and given an alias (a backend object passed as ``using=`` is not checked).
+``E006``, ``W003``, ``W004`` and ``W005`` judge the functions
+:mod:`django_syncguard.registry` recorded: those decorated with ``@locked(...)`` in
+code imported by the time the checks run (``E006`` and ``W003`` only those given an
+alias: a backend object passed as ``using=`` is not checked). ``W005`` learns that a
+function is a task from what its module's name for it is bound to now: the task
+decorator above ``@locked`` ran after the registry recorded the function.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from django.core import checks
 
+from .constants import TIME_TOLERANCE_MS
 from .contract import LockBackend
+from .decorators import task_framework
 from .errors import LockError
 from .handler import InvalidBackendError, LockHandler
 from .key_templates import KeyTemplate
@@ -107,6 +117,19 @@ W004 = (
     "{param} is."
 )
 W004_HINT = "Write the parameter as a placeholder: @locked({fixed!r})."
+W005 = (
+    "{function} is a {framework} task whose lock wait ends after at most {wait} ms "
+    "({limit}), no later than the lease a killed worker leaves on its key runs out: "
+    "ttl_ms ({ttl_ms} ms) plus the {tolerance} ms before an expired lock can be taken "
+    "over. When a worker dies holding the key, every run of the task queued behind it "
+    "fails with AcquisitionTimeout."
+)
+W005_HINT = (
+    "Wait longer than ttl_ms + {tolerance} ms ({minimum} ms here) plus the runs queued "
+    "ahead (timeout_ms; max_retries too when its delays run out first), and keep the "
+    "lease short with auto_extend=True, e.g. ttl_ms=10_000, auto_extend=True, "
+    "timeout_ms=30_000; or pass on_contended='raise' and let the task queue retry."
+)
 W003_RENEWAL_HINT = (
     "Give ttl_ms at least {minimum} ms (1.5 x OPERATION_TIMEOUT_MS), or lower OPERATION_TIMEOUT_MS."
 )
@@ -205,7 +228,7 @@ def _construction_error(alias: str, exc: Exception) -> checks.CheckMessage:
 def check_locked_functions(
     aliases: Sequence[str], timeouts: Mapping[str, int]
 ) -> list[checks.CheckMessage]:
-    """E006, W003 and W004 for every ``@locked`` function in the registry.
+    """E006, W003, W004 and W005 for every ``@locked`` function in the registry.
 
     ``aliases`` are the aliases ``SYNCGUARD_BACKENDS`` defines (``"default"`` alone
     when the setting is absent); ``timeouts`` maps each alias whose backend could be
@@ -215,6 +238,7 @@ def check_locked_functions(
     messages: list[checks.CheckMessage] = []
     for entry in locked_functions():
         messages.extend(_check_literal_params(entry))
+        messages.extend(_check_task_wait(entry))
         if entry.using is None:
             continue
         if entry.using not in aliases:
@@ -262,3 +286,49 @@ def _check_ttl(entry: LockedFunction, timeout: int) -> list[checks.CheckMessage]
             id="syncguard.W003",
         )
     ]
+
+
+def _check_task_wait(entry: LockedFunction) -> list[checks.CheckMessage]:
+    """W005 when ``entry`` is a task that waits for its lock no longer than a killed
+    holder's lease can last: ``ttl_ms`` after its last renewal (or its acquire), plus
+    the tolerance during which an expired lock is still live on every backend."""
+    if entry.on_contended != "wait":
+        return []  # "skip" and "raise" do not wait: the queue's retries are the wait
+    wait = entry.policy.longest_wait_ms()
+    dead_lease = entry.ttl_ms + TIME_TOLERANCE_MS
+    if wait > dead_lease:
+        return []
+    found = _task_of(entry)
+    if found is None:
+        return []  # a view or a plain function: its caller sees the AcquisitionTimeout
+    policy = entry.policy
+    if wait < policy.timeout_ms:
+        limit = (
+            f"max_retries={policy.max_retries} delays of retry_delay_ms="
+            f"{_ms(policy.retry_delay_ms)}, {policy.backoff} backoff, end before "
+            f"timeout_ms={_ms(policy.timeout_ms)}"
+        )
+    else:
+        limit = f"timeout_ms={_ms(policy.timeout_ms)}"
+    values: dict[str, object] = {"function": entry.name, "framework": found[0]}
+    values |= {"wait": _ms(wait)}
+    values |= {"limit": limit, "ttl_ms": entry.ttl_ms, "tolerance": TIME_TOLERANCE_MS}
+    hint = W005_HINT.format(tolerance=TIME_TOLERANCE_MS, minimum=dead_lease)
+    return [checks.Warning(W005.format(**values), hint=hint, id="syncguard.W005")]
+
+
+def _task_of(entry: LockedFunction) -> tuple[str, str] | None:
+    """The task framework of ``entry``'s function, when the name it was defined under
+    is now a task object: ``@shared_task`` / ``@task`` above ``@locked`` rebinds it.
+    Looked up in ``sys.modules`` only (a check imports nothing); a nested function
+    (``<locals>`` in its name) is never found."""
+    module_name, _, attribute = entry.name.rpartition(".")
+    module = sys.modules.get(module_name)
+    if module is None:
+        return None
+    return task_framework(vars(module).get(attribute))
+
+
+def _ms(value: float) -> str:
+    """A millisecond option as written: ``30000``, ``2.5``."""
+    return str(int(value)) if float(value).is_integer() else str(value)

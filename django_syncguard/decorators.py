@@ -62,7 +62,7 @@ class locked:  # noqa: N801 - used like a function, as contextlib's helpers are
             raise InvalidArgument(f"locked(...) decorates a callable, not {fn!r}.")
         signature = inspect.signature(fn)
         self.template.check_against(fn, signature)
-        # For the system checks (syncguard.E006, W003, W004).
+        # For the system checks (syncguard.E006, W003, W004, W005).
         literal = self.template.literal_parameters(signature)
         register_locked(fn, self.spec, self.template.template, literal)
         render = functools.partial(self.template.render, signature)
@@ -147,19 +147,31 @@ _TASK_CLASSES = (
 )
 
 
+def task_framework(obj: object) -> tuple[str, str] | None:
+    """``(framework, its task decorator)`` when ``obj`` is a task object, else ``None``.
+
+    Judged on ``type(obj)``: a Celery proxy would evaluate itself when asked its
+    ``__class__``. Also used by the system checks (``syncguard.W005``), which look up
+    what a ``@locked`` function's module name is bound to once the task decorator ran.
+    """
+    for module_name, class_name, framework, task_decorator in _TASK_CLASSES:
+        cls = getattr(sys.modules.get(module_name), class_name, None)
+        if isinstance(cls, type) and issubclass(type(obj), cls):
+            return framework, task_decorator
+    return None
+
+
 def _refuse_task_object(fn: object, decorator: locked) -> None:
     """``@locked`` above ``@shared_task`` / ``@task`` would wrap the task object in a
     plain function: ``.delay()`` / ``.enqueue()`` would be gone, and the worker would
-    run the task without the lock. Say so, with the right order, when decorating.
-    Checked on ``type(fn)``: a Celery proxy would evaluate itself when asked its
-    ``__class__``."""
-    for module_name, class_name, framework, task_decorator in _TASK_CLASSES:
-        cls = getattr(sys.modules.get(module_name), class_name, None)
-        if isinstance(cls, type) and issubclass(type(fn), cls):
-            raise InvalidArgument(
-                f"{decorator!r} is above a {framework} task decorator; put it below, so "
-                "that the worker takes the lock each time it runs the task:\n"
-                f"    @{task_decorator}(...)\n"
-                f"    @{decorator!r}\n"
-                "    def your_task(...): ..."
-            )
+    run the task without the lock. Say so, with the right order, when decorating."""
+    found = task_framework(fn)
+    if found is not None:
+        framework, task_decorator = found
+        raise InvalidArgument(
+            f"{decorator!r} is above a {framework} task decorator; put it below, so "
+            "that the worker takes the lock each time it runs the task:\n"
+            f"    @{task_decorator}(...)\n"
+            f"    @{decorator!r}\n"
+            "    def your_task(...): ..."
+        )

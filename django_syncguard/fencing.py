@@ -13,7 +13,7 @@ from typing import Any
 
 from .constants import FENCE_DIGITS, FENCE_THRESHOLDS
 from .errors import Internal, InvalidArgument, StaleFenceError
-from .keys import hash_key
+from .keys import display_hash, hash_key
 
 logger = logging.getLogger("django_syncguard")
 
@@ -64,6 +64,8 @@ def check_fence(fence: str, key: str) -> str:
     if value > FENCE_MAX:
         raise fence_overflow_error(key)
     if value > FENCE_WARN:
+        # The set remembers keys by hash_key (never shown, and stable if SECRET_KEY
+        # changes); the log line names the key by its display hash.
         digest = hash_key(key)
         with _warned_lock:
             first = digest not in _warned_keys
@@ -73,7 +75,7 @@ def check_fence(fence: str, key: str) -> str:
                 "Lock fence %s of key %s is above the warning threshold %s; plan a key "
                 "namespace rotation before it reaches %s.",
                 fence,
-                digest,
+                display_hash(key),
                 FENCE_THRESHOLDS["WARN"],
                 FENCE_THRESHOLDS["MAX"],
             )

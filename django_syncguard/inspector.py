@@ -1,7 +1,8 @@
 """What the admin lock inspector shows and does, apart from Django's admin wiring.
 
-Pages of live locks come from each backend's ``list_locks``; rows show hashes of keys
-(the raw key only with ``django_syncguard.view_lock_key``) and never a lock id.
+Pages of live locks come from each backend's ``list_locks``; rows show keys by their
+display hash (keyed with ``SECRET_KEY``, so not reversible by hashing guesses; the raw
+key only with ``django_syncguard.view_lock_key``) and never a lock id.
 
 The browser never receives a raw key or a backend cursor (both can name customers):
 rows and "next page" links carry random tokens, and what a token stands for is kept
@@ -21,7 +22,7 @@ from typing import Any
 
 from .contract import LockBackend, fence_keeper
 from .errors import LockError
-from .keys import hash_key
+from .keys import display_hash, hash_key
 from .owners import QueueStats
 from .results import LockPage, ReleaseResult
 from .signals import lock_force_released, prepare, send
@@ -40,7 +41,7 @@ class Row:
     """One lock as the inspector shows it."""
 
     token: str
-    key_hash: str
+    key_hash: str  # the display hash
     key: str | None  # None unless the user may see raw keys
     fence: str | None
     acquired_at: dt.datetime
@@ -62,7 +63,7 @@ class Target:
 
     alias: str
     key: str
-    lock_id_hash: str
+    lock_id_hash: str  # hash_key's, as force_release compares it
     fence: str | None
 
 
@@ -118,7 +119,7 @@ def rows_of(
         rows.append(
             Row(
                 token=tokens.add_row(alias, record.key, lock_id_hash, record.fence),
-                key_hash=hash_key(record.key),
+                key_hash=display_hash(record.key),
                 key=record.key if show_keys else None,
                 fence=record.fence,
                 acquired_at=from_ms(record.acquired_at_ms),
@@ -153,12 +154,13 @@ def force_release(backend: LockBackend, target: Target, *, user: Any, reason: st
     if result.ok:
         logger.warning(
             "Lock %s on %r force-released by %s: %s",
-            hash_key(target.key),
+            display_hash(target.key),
             target.alias,
             username,
             reason,
         )
-        # Only the lock id's hash is known here (the raw id never left the backend).
+        # Only the lock id's hash is known here (the raw id never left the backend);
+        # prepare() turns it into the display hash receivers get.
         send(
             prepare(
                 lock_force_released,

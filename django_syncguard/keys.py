@@ -1,22 +1,49 @@
 """Keys and lock ids: validation, storage keys, hashes.
 
 Every backend calls these; none re-implements them.
+
+Two hashes name a key (or a lock id) without showing it:
+
+- :func:`hash_key`, the specification's: plain SHA-256, the same in every language
+  and deployment. API values carry it (``LockInfo.key_hash``, ``lock_id_hash``,
+  telemetry events, ``force_release``'s argument), so programs can compare them.
+- :func:`display_hash`, keyed with the project's ``SECRET_KEY``: what people see
+  (admin pages and messages, exception messages, log lines, signal arguments,
+  thread names). Whoever reads it cannot test guesses ("is it ``invoice:1``?")
+  without the secret, yet every process of one deployment shows the same value.
 """
 
 from __future__ import annotations
 
 import base64
 import hashlib
+import hmac
 import re
 import secrets
 import unicodedata
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from django.conf import settings
+from django.core.exceptions import ImproperlyConfigured
+from django.utils.crypto import salted_hmac
+
 from .constants import MAX_KEY_LENGTH_BYTES
 from .errors import InvalidArgument
 
 _LOCK_ID_RE = re.compile(r"[A-Za-z0-9_-]{22}")
+_HASH_RE = re.compile(r"[0-9a-f]{24}")
+
+#: The ``key_salt`` of :func:`display_hash`'s ``salted_hmac``: no other use of the
+#: secret shares its derived key.
+DISPLAY_HASH_SALT = "django_syncguard.display-hash"
+#: The secret where Django has none (settings not configured): hashes are still
+#: keyed, but differ from one process to the next.
+_PROCESS_SECRET = secrets.token_bytes(32)
+#: (secret, HMAC over nothing yet) of the last secret seen. One entry: a deployment
+#: has one SECRET_KEY; tests that switch it just recompute. Replaced whole, so
+#: threads never see a half-updated pair.
+_display_mac: tuple[str | bytes, hmac.HMAC] | None = None
 
 T = TypeVar("T")
 
@@ -98,6 +125,56 @@ def hash_key(value: str) -> str:
     """
     data = unicodedata.normalize("NFC", value).encode("utf-8", "surrogatepass")
     return hashlib.sha256(data).hexdigest()[:24]
+
+
+def display_hash(value: str) -> str:
+    """Return the hash of a key or lock id shown to people: :func:`display_hash_of`
+    its :func:`hash_key`.
+
+    24 lowercase hex characters, like :func:`hash_key`, but keyed with the project's
+    ``SECRET_KEY``: not reversible by hashing guesses, the same in every process
+    with the same ``SECRET_KEY``, and different after the secret is rotated
+    (``SECRET_KEY_FALLBACKS`` play no part: one value per key at any time).
+    """
+    return display_hash_of(hash_key(value))
+
+
+def display_hash_of(key_hash: str) -> str:
+    """Return the display hash of the key or lock id whose :func:`hash_key` is
+    ``key_hash`` (as ``LockInfo.key_hash`` / ``lock_id_hash`` give it), so that code
+    holding only that hash shows what code holding the key shows.
+
+    ``HMAC-SHA256(SHA-256("django_syncguard.display-hash" + SECRET_KEY), key_hash)``,
+    Django's ``salted_hmac``, first 24 hex characters. Raises ``InvalidArgument``
+    unless ``key_hash`` is 24 lowercase hex characters.
+    """
+    if not isinstance(key_hash, str) or not _HASH_RE.fullmatch(key_hash):
+        raise InvalidArgument("A key hash is 24 lowercase hex characters (hash_key's value).")
+    mac = _keyed_mac().copy()
+    mac.update(key_hash.encode("ascii"))
+    return mac.hexdigest()[:24]
+
+
+def _keyed_mac() -> hmac.HMAC:
+    """The HMAC keyed for the current ``SECRET_KEY``, derived once per secret.
+
+    Read on every call, not at import, so ``override_settings`` and a settings module
+    loaded after this one are honoured; after the first read Django serves the value
+    from its own cache, so a call costs an attribute lookup and a comparison.
+    """
+    global _display_mac
+    try:
+        secret: str | bytes = settings.SECRET_KEY
+    except ImproperlyConfigured:
+        # No settings, or an empty SECRET_KEY (Django refuses to hand that out): a log
+        # line or an error message must not fail for it, nor fall back to a bare hash.
+        secret = _PROCESS_SECRET
+    cached = _display_mac
+    if cached is not None and cached[0] == secret:
+        return cached[1]
+    mac = salted_hmac(DISPLAY_HASH_SALT, b"", secret=secret, algorithm="sha256")
+    _display_mac = (secret, mac)
+    return mac
 
 
 def make_storage_key(prefix: str, key: str, limit_bytes: int, reserve_bytes: int) -> str:

@@ -28,7 +28,7 @@ from django.dispatch import Signal
 from . import signals
 from .contract import LockBackend
 from .errors import LockError
-from .keys import hash_key
+from .keys import display_hash
 from .results import AcquireResult, ExtendResult, ReleaseResult
 from .signals import Outgoing
 from .ttl import validate_ttl
@@ -170,7 +170,7 @@ class Lease:
             return False, self._mark_lost(why, reason="error")
         logger.warning(
             "Renewing the lock on key %s failed (%s); retrying.",
-            hash_key(self.key),
+            display_hash(self.key),
             error.code if error else "?",
         )
         return True, []
@@ -219,7 +219,7 @@ class Lease:
         logger.warning(
             "Lost the lock on key %s (fence %s): %s. Writes fenced with this fence "
             "will be rejected.",
-            hash_key(self.key),
+            display_hash(self.key),
             self.fence,
             why,
         )
@@ -234,7 +234,7 @@ class Lease:
 
 class _ThreadRenewer(threading.Thread):
     def __init__(self, lease: Lease, interval: float) -> None:
-        super().__init__(name=f"syncguard-renew-{hash_key(lease.key)[:8]}", daemon=True)
+        super().__init__(name=f"syncguard-renew-{display_hash(lease.key)[:8]}", daemon=True)
         self.lease = lease
         self.interval = interval
         self._stop_event = threading.Event()

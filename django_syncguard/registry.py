@@ -6,7 +6,7 @@ function's dotted name and the options the checks need; no reference to the func
 or to a backend object is kept, and an identical entry is stored once, so decorating
 closures in a loop does not grow the registry. Reads no settings.
 
-``syncguard.E006``, ``syncguard.W003`` and ``syncguard.W004`` (see
+``syncguard.E006``, ``syncguard.W003``, ``syncguard.W004`` and ``syncguard.W005`` (see
 :mod:`django_syncguard.checks`) walk :func:`locked_functions`. Tests isolate it with
 :func:`snapshot` and :func:`restore`.
 """
@@ -16,6 +16,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, NamedTuple
+
+from .retry import RetryPolicy
 
 if TYPE_CHECKING:
     from .acquisition import LockSpec
@@ -34,6 +36,9 @@ class LockedFunction(NamedTuple):
     #: The key template, and the parameters it names as literal text (W004).
     template: str = ""
     literal_params: tuple[str, ...] = ()
+    #: How a held key is met, and the waiting loop's options (W005).
+    on_contended: str = "wait"
+    policy: RetryPolicy = RetryPolicy()
 
 
 _entries: dict[LockedFunction, None] = {}  # an ordered set
@@ -64,6 +69,8 @@ def register_locked(
         auto_extend=spec.auto_extend,
         template=template,
         literal_params=literal_params,
+        on_contended=spec.on_contended,
+        policy=spec.policy,
     )
     with _mutex:
         _entries[entry] = None

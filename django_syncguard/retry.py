@@ -32,7 +32,7 @@ from .constants import (
     DEFAULT_TIMEOUT_MS,
 )
 from .errors import AcquisitionTimeout, InvalidArgument
-from .keys import hash_key
+from .keys import display_hash
 
 Backoff = Literal["exponential", "fixed"]
 Jitter = Literal["equal", "full", "none"]
@@ -84,6 +84,17 @@ class RetryPolicy:
             return rng() * base
         return base
 
+    def longest_wait_ms(self) -> float:
+        """How long, at most, the waiting loop waits between its first attempt and its
+        last: ``timeout_ms``, or less when its ``max_retries`` delays add up to less
+        (each delay is at most its base: every jitter only shortens it). The system
+        check ``syncguard.W005`` compares it with the lease a killed holder leaves."""
+        if self.backoff == "fixed":
+            by_retries = float(self.retry_delay_ms) * self.max_retries
+        else:  # the bases 1, 2, 4, ... times retry_delay_ms add up to 2 ** n - 1 times it
+            by_retries = self.retry_delay_ms * (2.0 ** min(self.max_retries, _MAX_EXPONENT) - 1)
+        return min(float(self.timeout_ms), by_retries)
+
 
 def _not_number(value: Any, *, integral: bool = False) -> bool:
     kinds: tuple[type, ...] = (int,) if integral else (int, float)
@@ -124,9 +135,9 @@ class RetrySchedule:
             raise self._timeout(f"{self.policy.timeout_ms:g} ms ({self.attempt + 1} attempts)")
 
     def _timeout(self, after: str) -> AcquisitionTimeout:
-        """The error for giving up; it names the key by its hash (the raw key is in the
-        context only, as logs and error trackers show messages)."""
-        key_hash = hash_key(self.key)
+        """The error for giving up; it names the key by its display hash (the raw key is
+        in the context only, as logs and error trackers show messages)."""
+        key_hash = display_hash(self.key)
         return AcquisitionTimeout(
             f"Lock on key {key_hash} still held after {after}.",
             context={"key": self.key, "key_hash": key_hash},

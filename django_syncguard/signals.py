@@ -9,11 +9,13 @@ Calling a backend directly (``locks["default"].acquire(...)``) sends none.
 Every signal carries these keyword arguments:
 
 - ``alias``: the backend's alias (``str``);
-- ``key_hash``: ``hash_key`` of the normalised key (``str``).
+- ``key_hash``: ``display_hash`` of the normalised key (``str``): the key's hash
+  keyed with ``SECRET_KEY``, as the admin, messages and logs show it (see
+  :mod:`django_syncguard.keys`), not ``hash_key``'s.
 
 Where a lock exists, also:
 
-- ``lock_id_hash``: ``hash_key`` of the lock id (``str``);
+- ``lock_id_hash``: ``display_hash`` of the lock id (``str``);
 - ``fence``: the lock's fence (``str``, or ``None`` on a backend without fencing).
 
 No signal ever carries a raw key or a raw lock id: the lock id is the holder's
@@ -82,7 +84,7 @@ from typing import TYPE_CHECKING, Any
 
 from django.dispatch import Signal
 
-from .keys import hash_key
+from .keys import display_hash, display_hash_of
 
 if TYPE_CHECKING:
     from .contract import LockBackend
@@ -135,16 +137,20 @@ def prepare(
 
     The list is empty when nobody listens, so an unobserved lock hashes nothing.
     ``lock_id_hash`` and ``fence`` are included when ``lock_id`` is given (or only
-    its hash, where the raw lock id is not known, as in the inspector).
+    its ``hash_key``, where the raw lock id is not known, as in the inspector). Both
+    go out as display hashes: receivers log and alert with them.
     """
     sender = type(backend)
     if not signal.has_listeners(sender):
         return []
-    kwargs: dict[str, Any] = {"alias": backend.alias, "key_hash": hash_key(key)}
+    kwargs: dict[str, Any] = {"alias": backend.alias, "key_hash": display_hash(key)}
+    shown = None
     if lock_id is not None:
-        lock_id_hash = hash_key(lock_id)
-    if lock_id_hash is not None:
-        kwargs["lock_id_hash"] = lock_id_hash
+        shown = display_hash(lock_id)
+    elif lock_id_hash is not None:
+        shown = display_hash_of(lock_id_hash)
+    if shown is not None:
+        kwargs["lock_id_hash"] = shown
         kwargs["fence"] = fence
     kwargs.update(extra)
     return [Outgoing(signal, sender, kwargs)]

@@ -1,7 +1,10 @@
 """Opt-in telemetry: ``with_telemetry(backend, on_event)`` wraps a backend.
 
 The wrapper emits one :class:`LockEvent` per completed operation, with hashes of
-the key / lock id (raw values only when ``include_raw`` allows). The callback is
+the key / lock id (raw values only when ``include_raw`` allows). They are
+``hash_key``'s, as ``LockInfo`` carries them, because events are data for programs;
+a callback that writes them where people read them passes them through
+``keys.display_hash_of`` first. The callback is
 called synchronously but its return value is never awaited and its exceptions are
 logged and dropped: telemetry never changes a lock operation's outcome. Operations
 that raise emit nothing. Without the wrapper no hash is computed.

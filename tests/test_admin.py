@@ -15,6 +15,7 @@ from django.contrib.auth.models import Permission, User
 from django.test import override_settings
 
 from django_syncguard import hash_key, lock, locks, owners
+from django_syncguard.keys import display_hash
 from django_syncguard.liveness import FakeClock
 from django_syncguard.signals import lock_force_released
 from django_syncguard.waiting import WaitTicket
@@ -84,7 +85,10 @@ def test_view_permission_shows_hashes_fences_and_remaining_time_but_no_raw_data(
 
     html = response.content.decode()
     assert response.status_code == 200
-    assert hash_key("invoice:42") in html
+    # The key by its display hash (keyed with SECRET_KEY), not hash_key's, which
+    # anyone could match by hashing guesses.
+    assert f'<td class="key-hash"><code>{display_hash("invoice:42")}</code></td>' in html
+    assert hash_key("invoice:42") not in html
     assert held.fence in html
     assert '<td class="remaining">42.3 s</td>' in html
     assert "invoice:42" not in html
@@ -145,8 +149,9 @@ def test_force_release_asks_for_confirmation_and_a_reason_then_logs_it(as_user, 
         lock_force_released.disconnect(receiver)
 
     assert memory_alias.is_locked("invoice:42") is False
-    key_hash = hash_key("invoice:42")
+    key_hash = display_hash("invoice:42")
     assert f"Lock {key_hash} force-released." in done.content.decode()
+    assert hash_key("invoice:42") not in done.content.decode()
     entry = LogEntry.objects.get()
     assert entry.action_flag == DELETION
     assert entry.object_id == key_hash
@@ -158,7 +163,7 @@ def test_force_release_asks_for_confirmation_and_a_reason_then_logs_it(as_user, 
             "signal": lock_force_released,
             "alias": "default",
             "key_hash": key_hash,
-            "lock_id_hash": hash_key(held.lock_id),
+            "lock_id_hash": display_hash(held.lock_id),
             "fence": held.fence,
             "user": entry.user.get_username(),
             "reason": "worker host died",
@@ -292,6 +297,51 @@ def test_without_the_key_permission_the_key_filter_tells_nothing(as_user, memory
     assert len(set(hashes[0])) >= 2
     assert all("customer:" not in page for page in pages)
     assert all("2 locks on this page." in page for page in pages)
+
+
+def test_without_the_key_permission_no_page_tells_anything_about_keys(
+    as_user, memory_alias, caplog
+):
+    """The list (with and without a filter), the confirmation pages, the messages of
+    both outcomes and the admin index's recent actions: no key, no key's hash_key
+    (which hashing guesses would match), no lock id nor its hash_key appears; a key is
+    only ever its display hash."""
+    alice, bob = "customer:alice@example.com", "customer:bob@example.com"
+    holders = [memory_alias.acquire(alice, TTL), memory_alias.acquire(bob, TTL)]
+    client = as_user("view_lock", "force_release_lock")
+    listing = client.get(INSPECTOR).content.decode()
+    filtered = client.get(INSPECTOR, {"q": "customer:alice"}).content.decode()
+    links = force_release_links(listing)  # alice's, then bob's (key order)
+    confirmations = [client.get(link).content.decode() for link in links]
+    released = client.post(links[0], {"reason": "gone"}, follow=True).content.decode()
+    memory_alias.release(holders[1].lock_id)
+    holders.append(memory_alias.acquire(bob, TTL))  # a newer holder: nothing released
+    refused = client.post(links[1], {"reason": "gone"}, follow=True).content.decode()
+    index = client.get("/admin/").content.decode()  # recent actions
+
+    shown = {alice: display_hash(alice), bob: display_hash(bob)}
+    secrets = {"customer:", "alice@", "bob@"}
+    secrets |= {hash_key(alice), hash_key(bob)}
+    secrets |= {held.lock_id for held in holders} | {hash_key(held.lock_id) for held in holders}
+    pages = [listing, filtered, *confirmations, released, refused, index]
+    for page in pages:
+        assert [secret for secret in secrets if secret in page] == []
+        hashes = set(re.findall(r"(?<![0-9a-f])[0-9a-f]{24}(?![0-9a-f])", page))
+        assert hashes <= set(shown.values())
+    assert 'name="q"' not in listing
+    row_hashes = re.findall(r'<td class="key-hash"><code>([0-9a-f]{24})</code></td>', listing)
+    assert sorted(row_hashes) == sorted(shown.values())
+    assert re.findall(r'<td class="key-hash"><code>([0-9a-f]{24})</code></td>', filtered) == (
+        row_hashes
+    )
+    for confirmation, key in zip(confirmations, (alice, bob), strict=True):
+        assert f"<li>Key hash: <code>{shown[key]}</code></li>" in confirmation
+    assert f"Lock {shown[alice]} force-released." in released
+    assert f"Lock {shown[bob]} was no longer held by the holder you saw" in refused
+    assert f"lock {shown[alice]} on &#x27;default&#x27;" in index
+    # The operators' log line too.
+    [line] = [r.getMessage() for r in caplog.records if r.name == "django_syncguard.inspector"]
+    assert line.startswith(f"Lock {shown[alice]} on 'default' force-released by staff-")
 
 
 # ------------------------------------------------------------ owners, waiters

@@ -20,6 +20,7 @@ from django.db import connection
 from django.test import override_settings
 
 from django_syncguard import hash_key, owners
+from django_syncguard.keys import display_hash
 from tests.support.servers import IN_CI
 
 DATABASE_BACKEND = "django_syncguard.backends.database.DatabaseBackend"
@@ -134,7 +135,10 @@ def test_operator_force_releases_a_lock_held_by_another_process(live_server, chr
         row = page.locator("tr.lock-row")
         assert row.count() == 1
         assert row.locator("td.key").inner_text() == "invoice:42"
-        assert row.locator("td.key-hash").inner_text() == hash_key("invoice:42")
+        # The key's hash keyed with SECRET_KEY (the live server's settings), not hash_key.
+        shown = display_hash("invoice:42")
+        assert row.locator("td.key-hash").inner_text() == shown
+        assert hash_key("invoice:42") not in page.content()
         assert row.locator("td.fence").inner_text() == fence
         # Who holds it: the holder process's label (host, its pid, its thread; no
         # decorated function), and the two waiters queued behind it.
@@ -149,12 +153,13 @@ def test_operator_force_releases_a_lock_held_by_another_process(live_server, chr
 
         row.locator("a.force-release").click()
         assert page.locator("h1").inner_text() == "Force-release a lock?"
+        assert page.locator("li", has_text="Key hash:").inner_text() == f"Key hash: {shown}"
         page.fill("#id_reason", "holder process is wedged")
         page.screenshot(path=str(ARTIFACTS / "inspector-2-confirm.png"), full_page=True)
         page.click("input[type=submit]")
 
         success = page.locator("ul.messagelist li.success")
-        assert success.inner_text() == f"Lock {hash_key('invoice:42')} force-released."
+        assert success.inner_text() == f"Lock {shown} force-released."
         assert page.locator("tr.lock-row").count() == 0
         page.screenshot(path=str(ARTIFACTS / "inspector-3-released.png"), full_page=True)
 

@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import redis
@@ -39,6 +42,8 @@ from tests.testapp.tasks import (
     hold_until_gate,
     pay_after_stall,
     pay_invoice,
+    pay_share,
+    pay_share_old_options,
     retry_twice,
     retry_until_free,
     skip_when_held,
@@ -372,3 +377,127 @@ def test_pool_children_forked_after_the_main_process_locked_lock_on_their_own_co
     assert int(gates.get(f"sgcelery-count:{key}")) == runs
     held_by = {e.pid for e in events(event="entered")}
     assert held_by == {e.pid for e in events(event="contended")} and len(held_by) == 2
+
+
+# ------------------------------------------- a killed holder, many tasks queued
+#: Tasks queued on one invoice's key behind the run that gets killed.
+QUEUED = 20
+
+
+@dataclass
+class KilledHolderRun:
+    """What :func:`kill_the_holder_of_queued_payments` saw."""
+
+    #: The task ids queued, and each one's final state and result (or exception).
+    queued: list[str]
+    states: dict[str, str]
+    outcomes: dict[str, Any]
+    #: The run killed at the gate: its task id, process and fence.
+    killed: TaskEvent
+    #: Seconds from queueing to the last result, and from the kill to the next hold.
+    wall_s: float
+    key_free_after_s: float
+
+    @property
+    def failed(self) -> list[str]:
+        return [task_id for task_id in self.queued if self.states[task_id] == "FAILURE"]
+
+
+def kill_the_holder_of_queued_payments(
+    task: Any, invoice: Invoice, gates: redis.Redis
+) -> KilledHolderRun:
+    """Queue :data:`QUEUED` payments of ``invoice``, kill (SIGKILL) the worker process
+    whose run holds the key in the task's body while the other process waits for
+    it, and collect every result."""
+    gate = new_gate()
+    started = time.monotonic()
+    results = [task.delay(invoice.pk, gate) for _ in range(QUEUED)]
+    stalled = f"{gate}:stalled"  # the run at the gate: "<task id>/<pid>"
+    wait_until(lambda: gates.get(stalled) is not None, PATIENCE_S, "a run stalls at the gate")
+    task_id, pid = gates.get(stalled).decode().split("/")
+    [killed] = events(task_id=task_id, pid=int(pid), event="held")
+    wait_until(
+        lambda: any(e.pid != killed.pid for e in events(event="contended")),
+        PATIENCE_S,
+        "the other worker process waits for the key",
+    )
+    os.kill(killed.pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    wait_until(
+        lambda: TaskEvent.objects.using(DB).filter(event="held", id__gt=killed.id).exists(),
+        PATIENCE_S,
+        "a run holds the key after the kill",
+    )
+    key_free_after_s = time.monotonic() - killed_at
+    outcomes = {r.id: r.get(timeout=PATIENCE_S, propagate=False) for r in results}
+    wall_s = time.monotonic() - started
+    return KilledHolderRun(
+        queued=[r.id for r in results],
+        states={r.id: r.state for r in results},
+        outcomes=outcomes,
+        killed=killed,
+        wall_s=wall_s,
+        key_free_after_s=key_free_after_s,
+    )
+
+
+def payments_by_task() -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for payment in Payment.objects.using(DB).all():
+        counts[payment.task_id] = counts.get(payment.task_id, 0) + 1
+    return counts
+
+
+def test_readme_task_keeps_every_queued_payment_when_the_holder_is_killed(
+    own_worker: CeleryWorker, gates: redis.Redis
+) -> None:
+    """The README's first task example (issue 23): its killed run is delivered again
+    (``acks_late`` and ``reject_on_worker_lost``), and every run queued behind it
+    waits out the dead lease (at most 10 s after its last renewal, plus the 1 s
+    tolerance) instead of failing: each of the tasks pays exactly once."""
+    invoice = Invoice.objects.using(DB).create()
+
+    run = kill_the_holder_of_queued_payments(pay_share, invoice, gates)
+    print(  # the figures the README quotes (pytest -s)
+        f"\nREADME task, holder killed: {len(run.failed)} of {QUEUED} failed, key free "
+        f"{run.key_free_after_s:.1f} s after the kill, all done in {run.wall_s:.1f} s"
+    )
+
+    assert run.failed == []
+    assert run.outcomes == dict.fromkeys(run.queued, "paid")
+    assert payments_by_task() == dict.fromkeys(run.queued, 1)
+    # The killed run held the key, paid nothing, and ran again in another process.
+    again = events(task_id=run.killed.task_id, event="held")
+    assert [e.pid == run.killed.pid for e in again] == [True, False]
+    # One hold per run, in fence order: QUEUED runs and the killed one.
+    held = events(task="pay_share", event="held")
+    assert len(held) == QUEUED + 1
+    assert [e.fence for e in held] == sorted(e.fence for e in held)
+    assert len({e.fence for e in held}) == QUEUED + 1
+    invoice.refresh_from_db()
+    assert (invoice.paid, invoice.fence) == (True, held[-1].fence)
+    # The dead lease: renewed every 3.3 s, so free 7.7 to 11 s after the kill.
+    assert 10 / 3 * 2 < run.key_free_after_s < 10 + 1 + 2  # a waiter checks in every 1 s
+
+
+@pytest.mark.once
+def test_old_readme_task_options_fail_the_runs_queued_behind_a_killed_holder(
+    own_worker: CeleryWorker, gates: redis.Redis
+) -> None:
+    """The same with the example's options before issue 23 (``ttl_ms=30_000`` and
+    the default 5 s wait, ``syncguard.W005``): the key stays locked about 31 s, and
+    runs queued behind the dead lease give up for good. Every task that did not fail
+    paid exactly once; the failed ones paid nothing."""
+    invoice = Invoice.objects.using(DB).create()
+
+    run = kill_the_holder_of_queued_payments(pay_share_old_options, invoice, gates)
+    print(
+        f"\nOld README options, holder killed: {len(run.failed)} of {QUEUED} failed, key "
+        f"free {run.key_free_after_s:.1f} s after the kill, all done in {run.wall_s:.1f} s"
+    )
+
+    assert run.failed
+    assert all(isinstance(run.outcomes[t], AcquisitionTimeout) for t in run.failed)
+    paid = [t for t in run.queued if t not in run.failed]
+    assert payments_by_task() == dict.fromkeys(paid, 1)
+    assert 20 < run.key_free_after_s < 30 + 1 + 2

@@ -7,7 +7,9 @@ backends (tests/test_redis_backend.py, tests/test_firestore_backend.py).
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
+import textwrap
+import types
+from collections.abc import Callable, Iterator
 
 import pytest
 from django.core import checks
@@ -649,4 +651,143 @@ def test_w004_stays_quiet_for_placeholders_words_inside_others_and_self():
     @locked("nightly-report")  # no parameter named like a word of it
     def report(day): ...
 
+    assert run() == []
+
+
+# ------------------------------------------------------------------- W005
+#: The module the task modules below are made as (a task is found by its module name).
+TASKS_MODULE = "tests.w005_tasks"
+
+CELERY_TASKS = """
+from celery import Celery
+
+from django_syncguard import locked
+
+app = Celery("w005", set_as_current=False)
+
+
+@app.task(shared=False, acks_late=True, reject_on_worker_lost=True)
+@locked("invoice:<invoice_id>", {options})
+def pay_invoice(invoice_id): ...
+
+
+@locked("invoice:<invoice_id>", {options})
+def pay_now(invoice_id): ...  # the same options, but not a task
+"""
+
+DJANGO_TASKS = """
+import django
+
+if django.VERSION >= (6, 0):
+    from django.tasks import task
+else:
+    from django_tasks import task
+
+from django_syncguard import locked
+
+
+@task()
+@locked("invoice:<invoice_id>", {options})
+def pay_invoice(invoice_id): ...
+"""
+
+
+@pytest.fixture
+def task_module(monkeypatch: pytest.MonkeyPatch) -> Callable[[str, str], types.ModuleType]:
+    """Runs a module's source as :data:`TASKS_MODULE` (its functions' names are then
+    ``tests.w005_tasks.<name>``, as in a project's tasks module), the ``@locked``
+    options put in for ``{options}``."""
+
+    def make(source: str, options: str) -> types.ModuleType:
+        module = types.ModuleType(TASKS_MODULE)
+        monkeypatch.setitem(sys.modules, TASKS_MODULE, module)
+        code = textwrap.dedent(source).replace("{options}", options)
+        exec(compile(code, f"<{TASKS_MODULE}>", "exec"), vars(module))
+        return module
+
+    return make
+
+
+def w005(framework: str, wait: str, limit: str, ttl_ms: int) -> tuple[str, int, str, str]:
+    return (
+        "syncguard.W005",
+        checks.WARNING,
+        f"{TASKS_MODULE}.pay_invoice is a {framework} task whose lock wait ends after at "
+        f"most {wait} ms ({limit}), no later than the lease a killed worker leaves on its "
+        f"key runs out: ttl_ms ({ttl_ms} ms) plus the 1000 ms before an expired lock can "
+        "be taken over. When a worker dies holding the key, every run of the task queued "
+        "behind it fails with AcquisitionTimeout.",
+        f"Wait longer than ttl_ms + 1000 ms ({ttl_ms + 1000} ms here) plus the runs queued "
+        "ahead (timeout_ms; max_retries too when its delays run out first), and keep the "
+        "lease short with auto_extend=True, e.g. ttl_ms=10_000, auto_extend=True, "
+        "timeout_ms=30_000; or pass on_contended='raise' and let the task queue retry.",
+    )
+
+
+@pytest.mark.usefixtures("debug")
+def test_w005_the_old_readme_celery_task_waits_less_than_a_dead_holders_lease(task_module):
+    """The README's first task example before issue 23: a killed worker's key stayed
+    locked 31 s, and the tasks queued behind it gave up after 5 s."""
+    pytest.importorskip("celery")
+    task_module(CELERY_TASKS, "ttl_ms=30_000, auto_extend=True")
+
+    assert only(run()) == w005("Celery", "5000", "timeout_ms=5000", 30_000)
+
+
+@pytest.mark.usefixtures("debug")
+def test_w005_a_django_task_and_the_boundary(task_module):
+    task_module(DJANGO_TASKS, "ttl_ms=10_000, auto_extend=True, timeout_ms=11_000")
+    assert only(run()) == w005("Django", "11000", "timeout_ms=11000", 10_000)
+
+    registry.clear()
+    task_module(DJANGO_TASKS, "ttl_ms=10_000, auto_extend=True, timeout_ms=11_001")
+    assert run() == []
+
+
+@pytest.mark.usefixtures("debug")
+def test_w005_names_max_retries_when_its_delays_end_the_wait_first(task_module):
+    pytest.importorskip("celery")
+    # Ten fixed delays of 500 ms: the loop gives up after 5 s of its 60 s.
+    task_module(
+        CELERY_TASKS, 'ttl_ms=10_000, timeout_ms=60_000, backoff="fixed", retry_delay_ms=500'
+    )
+
+    assert only(run()) == w005(
+        "Celery",
+        "5000",
+        "max_retries=10 delays of retry_delay_ms=500, fixed backoff, end before timeout_ms=60000",
+        10_000,
+    )
+
+
+@pytest.mark.usefixtures("debug")
+@pytest.mark.parametrize(
+    "options",
+    [
+        # The README's first task example now.
+        "ttl_ms=10_000, auto_extend=True, timeout_ms=30_000",
+        # The queue's retries are the wait.
+        'on_contended="raise"',
+        'on_contended="skip"',
+        # Exponential delays from 100 ms: ten of them add up to 102.3 s.
+        "ttl_ms=10_000, timeout_ms=600_000",
+    ],
+)
+def test_no_w005_for_a_wait_that_outlasts_the_lease_or_no_wait(task_module, options):
+    pytest.importorskip("celery")
+    task_module(CELERY_TASKS, options)
+    assert run() == []
+
+
+@pytest.mark.usefixtures("debug")
+def test_no_w005_for_functions_that_are_not_tasks():
+    """A view or a plain function gets its AcquisitionTimeout back; a nested function
+    is not found under its module's name (the task decorator rebinds that name)."""
+    pytest.importorskip("celery")
+    from celery import Celery
+
+    @locked("invoice:<invoice_id>")  # the default 5 s wait, 30 s lease
+    def pay_invoice(invoice_id): ...
+
+    Celery("w005-nested", set_as_current=False).task(shared=False)(pay_invoice)
     assert run() == []

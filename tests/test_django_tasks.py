@@ -21,9 +21,10 @@ import pytest
 from django.db import connections
 from django.test import override_settings
 
-from django_syncguard import InvalidArgument, hash_key, locked, locks
+from django_syncguard import InvalidArgument, locked, locks
 from django_syncguard.backends.database import DatabaseBackend
 from django_syncguard.backends.memory import MemoryBackend
+from django_syncguard.keys import display_hash
 from django_syncguard.signals import lock_contended
 from tests.support.faults import wait_until
 from tests.support.servers import start_or_skip
@@ -71,7 +72,7 @@ def contended() -> Iterator[dict[str, threading.Event]]:
 
 def contention_on(events: dict[str, threading.Event], key: str) -> threading.Event:
     """The event of ``key`` in the ``contended`` fixture's events."""
-    return events.setdefault(hash_key(key), threading.Event())
+    return events.setdefault(display_hash(key), threading.Event())
 
 
 def failure_of(result: TaskResult) -> str:

@@ -35,6 +35,9 @@ def example(tmp_path: Path) -> tuple[Run, Path]:
     database = tmp_path / "example.sqlite3"
     env = {**os.environ, "EXAMPLE_DB_PATH": str(database)}
     env.pop("DJANGO_SETTINGS_MODULE", None)
+    # This checkout's django_syncguard, not whichever one the interpreter has installed
+    # (from another worktree, say): the cwd is example_project/, not the checkout.
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(EXAMPLE.parent), env.get("PYTHONPATH")]))
 
     def run(*args: str) -> str:
         done = subprocess.run(
@@ -243,6 +246,66 @@ def test_the_view_pays_once_and_answers_409_while_the_invoice_is_locked(
     # no check message, nothing silenced.
     assert out["silenced"] == []
     assert out["checks"] == []
+
+
+# Both 409s of the view, each raised by the library for real: the invoice's lock held
+# by someone else (AcquisitionTimeout), and a row already written with a newer fence
+# than the view's (StaleFenceError). Prints each answer's status, body and raw bytes,
+# and what the library's messages would have told about the key.
+CONFLICTS = """
+import json, os
+
+import django
+
+os.environ["DJANGO_SETTINGS_MODULE"] = "example_project.settings"
+django.setup()
+
+from django.test import Client
+
+from django_syncguard import hash_key, locks
+from django_syncguard.keys import display_hash
+from invoices.models import Invoice
+
+client = Client(HTTP_HOST="localhost")
+busy = Invoice.objects.create(number="INV-0300", amount_cents=1_000)
+stale = Invoice.objects.create(number="INV-0400", amount_cents=1_000, fence="999999999999999")
+someone_else = locks["default"].acquire(f"invoice:{busy.pk}", 10_000)
+out = {}
+for name, invoice in (("busy", busy), ("stale", stale)):
+    response = client.post(f"/invoices/{invoice.pk}/pay/")
+    key = f"invoice:{invoice.pk}"
+    out[name] = {
+        "status": response.status_code,
+        "body": response.json(),
+        "raw": response.content.decode(),
+        "telling": [key, hash_key(key), display_hash(key)],
+    }
+out["stale_paid"] = Invoice.objects.get(pk=stale.pk).paid
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_the_409_answers_never_echo_the_librarys_messages(example: tuple[Run, Path]) -> None:
+    """A client learns that the invoice is busy, never the key, its hashes or the
+    library's text (``Lock on key ... still held``, ``Stale fence ...``)."""
+    run, _ = example
+
+    out = json.loads(run("-c", CONFLICTS))
+
+    assert out["busy"]["status"] == out["stale"]["status"] == 409
+    assert out["busy"]["body"] == {
+        "error": "locked",
+        "detail": "Another worker is paying this invoice.",
+    }
+    assert out["stale"]["body"] == {
+        "error": "stale",
+        "detail": "The payment took too long; nothing was saved.",
+    }
+    assert out["stale_paid"] is False
+    for answer in (out["busy"], out["stale"]):
+        library_text = ["Lock on key", "still held", "Stale fence", "newer holder", "fence"]
+        assert [t for t in answer["telling"] + library_text if t in answer["raw"]] == []
 
 
 # -- the example's Celery task, run by a real worker --------------------------------

@@ -8,7 +8,7 @@ import pytest
 
 from django_syncguard import AcquireResult, AcquisitionTimeout, InvalidArgument
 from django_syncguard.acquisition import aacquire_with_retry, acquire_with_retry
-from django_syncguard.keys import hash_key
+from django_syncguard.keys import display_hash, hash_key
 from django_syncguard.retry import RetryPolicy
 from django_syncguard.waiting import WaitSession
 
@@ -100,10 +100,12 @@ def test_total_attempts_are_max_retries_plus_one():
     assert len(calls) == 4
     assert t.sleeps_ms == [10, 20, 40]
     assert caught.value.code == "AcquisitionTimeout"
-    assert caught.value.context == {"key": "k", "key_hash": hash_key("k")}
+    # The hash people see is keyed with SECRET_KEY, never the bare hash_key.
+    assert caught.value.context == {"key": "k", "key_hash": display_hash("k")}
     assert str(caught.value) == (
-        f"Lock on key {hash_key('k')} still held after 4 attempts (max_retries=3)."
+        f"Lock on key {display_hash('k')} still held after 4 attempts (max_retries=3)."
     )
+    assert hash_key("k") not in str(caught.value)
 
 
 class PollingSession:
@@ -254,3 +256,19 @@ def test_a_healthy_waiter_gives_up_on_the_formulas_schedule(policy, waits_ms):
     # The first attempt goes without a ticket, the queueing one at once after it; then
     # one per wait.
     assert len(calls) == 2 + len(waits_ms)
+
+
+@pytest.mark.parametrize(
+    ("options", "longest"),
+    [
+        ({}, 5_000.0),  # ten exponential delays from 100 ms add up to 102.3 s
+        ({"timeout_ms": 600_000}, 102_300.0),
+        ({"backoff": "fixed"}, 1_000.0),  # ten delays of 100 ms
+        ({"backoff": "fixed", "retry_delay_ms": 0}, 0.0),
+        ({"max_retries": 0, "timeout_ms": 60_000}, 0.0),  # one attempt only
+        ({"max_retries": 10_000, "timeout_ms": 2.5}, 2.5),  # no overflow
+        ({"jitter": "none", "max_retries": 3, "timeout_ms": 60_000}, 700.0),
+    ],
+)
+def test_longest_wait_is_the_timeout_or_the_sum_of_the_delays_bases(options, longest):
+    assert RetryPolicy(**options).longest_wait_ms() == longest

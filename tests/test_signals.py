@@ -18,12 +18,12 @@ from django_syncguard import (
     ServiceUnavailable,
     alock,
     current_lock,
-    hash_key,
     lock,
     locked,
 )
 from django_syncguard import signals as sg
 from django_syncguard.backends.memory import MemoryBackend
+from django_syncguard.keys import display_hash, hash_key
 
 KEY = "invoice:42"
 FENCE = "000000000000001"
@@ -67,8 +67,8 @@ def common(backend: MemoryBackend, lock_id: str, fence: str = FENCE, key: str = 
     """The keyword arguments every signal about a held lock carries."""
     return {
         "alias": backend.alias,
-        "key_hash": hash_key(key),
-        "lock_id_hash": hash_key(lock_id),
+        "key_hash": display_hash(key),
+        "lock_id_hash": display_hash(lock_id),
         "fence": fence,
     }
 
@@ -158,7 +158,15 @@ def test_sender_filter_selects_the_backend_class(mem):
         lock(lambda: None, key=KEY, using=mem.backend)
     finally:
         sg.lock_acquired.disconnect(only_memory, sender=MemoryBackend)
-    assert calls == [hash_key(KEY)]
+    assert calls == [display_hash(KEY)]
+
+
+def test_receivers_get_the_keyed_display_hashes_not_hash_key(mem):
+    with receiving(sg.lock_acquired) as received, locked(KEY, using=mem.backend) as lease:
+        pass
+    [(_, _, kwargs)] = received
+    assert kwargs["key_hash"] == display_hash(KEY) != hash_key(KEY)
+    assert kwargs["lock_id_hash"] == display_hash(lease.lock_id) != hash_key(lease.lock_id)
 
 
 # ------------------------------------------------------------------ contention
@@ -171,9 +179,8 @@ def test_contended_attempts_then_acquired(mem):
 
     with receiving() as received, receiving(sg.lock_contended, receiver=free_after_second):
         info = lock(snapshot, key=KEY, using=mem.backend, retry_delay_ms=0)
-    contended = [
-        ("lock_contended", MemoryBackend, {"alias": mem.backend.alias, "key_hash": hash_key(KEY)})
-    ]
+    shown = {"alias": mem.backend.alias, "key_hash": display_hash(KEY)}
+    contended = [("lock_contended", MemoryBackend, shown)]
     assert received == [
         (*contended[0][:2], {**contended[0][2], "attempt": 1}),
         (*contended[0][:2], {**contended[0][2], "attempt": 2}),
@@ -210,7 +217,11 @@ async def test_async_contended_attempts_then_acquired(mem):
         "lock_acquired",
         "lock_released",
     ]
-    assert received[0][2] == {"alias": mem.backend.alias, "key_hash": hash_key(KEY), "attempt": 1}
+    assert received[0][2] == {
+        "alias": mem.backend.alias,
+        "key_hash": display_hash(KEY),
+        "attempt": 1,
+    }
     assert received[1] == acquired(mem.backend, info, attempts=2, fence="000000000000002")
 
 
@@ -420,7 +431,8 @@ def test_nothing_is_hashed_without_receivers(mem, monkeypatch):
     def forbidden(value: str) -> str:
         raise AssertionError("hashed for a signal nobody listens to")
 
-    monkeypatch.setattr(sg, "hash_key", forbidden)
+    monkeypatch.setattr(sg, "display_hash", forbidden)
+    monkeypatch.setattr(sg, "display_hash_of", forbidden)
     assert lock(lambda: 3, key=KEY, using=mem.backend) == 3
 
 

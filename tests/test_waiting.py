@@ -20,11 +20,11 @@ from django_syncguard import (
     InvalidArgument,
     alock,
     current_lock,
-    hash_key,
     lock,
     locked,
     signals,
 )
+from django_syncguard.keys import display_hash
 from django_syncguard.waiting import (
     CHECK_IN_MS,
     HEAD_POLL_MS,
@@ -54,7 +54,7 @@ def contended():
 
     signals.lock_contended.connect(receiver, weak=False)
     try:
-        yield lambda key: seen.setdefault(hash_key(key), threading.Event())
+        yield lambda key: seen.setdefault(display_hash(key), threading.Event())
     finally:
         signals.lock_contended.disconnect(receiver)
 

@@ -30,7 +30,7 @@ from ..constants import (
     MAX_PAGE_SIZE,
 )
 from ..contract import SanitizedLookups
-from ..errors import Internal, InvalidArgument
+from ..errors import Internal, InvalidArgument, LockError, NetworkTimeout, ServiceUnavailable
 from ..fence_floors import (
     FenceMode,
     FenceState,
@@ -43,6 +43,7 @@ from ..fence_floors import (
 from ..fencing import check_fence
 from ..keys import normalize_and_validate_key, validate_lock_id
 from ..lifecycle import track
+from ..orphans import OrphanReleaser, watching_sends
 from ..owners import QueueStats, owner_label, pinned, record_owner_option
 from ..results import (
     AcquireResult,
@@ -161,6 +162,10 @@ class BaseLockBackend(SanitizedLookups, ABC):
     #: Whether keys share a namespace that ``KEY_PREFIX`` divides (Redis); elsewhere
     #: tables or collections keep applications apart and ``KEY_PREFIX`` is refused.
     uses_key_prefix: ClassVar[bool] = False
+    #: Whether the server may still run an acquire its caller gave up on (a server
+    #: across a network or a process boundary); such acquires' lock ids are released
+    #: in the background (:mod:`~django_syncguard.orphans`). Embedded stores: False.
+    abandoned_requests_run: bool = False
 
     def __init__(self, alias: str = "default", params: Mapping[str, Any] | None = None) -> None:
         params = dict(params or {})
@@ -284,7 +289,13 @@ class BaseLockBackend(SanitizedLookups, ABC):
         """
         key, ttl_ms, cancel = self._key_args(key, cancel, ttl_ms)
         ticket = self._ticket_arg(ticket)
-        return self._checked_acquire(self._acquire(key, ttl_ms, cancel, ticket), key)
+        with watching_sends() as sent:
+            try:
+                result = self._acquire(key, ttl_ms, cancel, ticket)
+            except BaseException as exc:
+                self._acquire_failed(key, sent.lock_id, exc)
+                raise
+        return self._checked_acquire(result, key)
 
     async def aacquire(
         self,
@@ -296,7 +307,13 @@ class BaseLockBackend(SanitizedLookups, ABC):
     ) -> AcquireResult:
         key, ttl_ms, cancel = self._key_args(key, cancel, ttl_ms)
         ticket = self._ticket_arg(ticket)
-        return self._checked_acquire(await self._aacquire(key, ttl_ms, cancel, ticket), key)
+        with watching_sends() as sent:
+            try:
+                result = await self._aacquire(key, ttl_ms, cancel, ticket)
+            except BaseException as exc:  # a cancelled task too: its request may be out
+                self._acquire_failed(key, sent.lock_id, exc)
+                raise
+        return self._checked_acquire(result, key)
 
     def withdraw(self, key: str, ticket_id: str) -> None:
         """Take ``ticket_id`` out of ``key``'s queue (a waiter gives up); when the key
@@ -508,6 +525,9 @@ class BaseLockBackend(SanitizedLookups, ABC):
         built: WakeUps | None = self.__dict__.pop("_wake_ups_built", None)
         if built is not None:
             built.close()
+        orphans: OrphanReleaser | None = self.__dict__.pop("_orphans_built", None)
+        if orphans is not None:
+            orphans.stop()
 
     def reset_after_fork(self) -> None:
         """In a forked child (called by :mod:`~django_syncguard.lifecycle`, before the
@@ -515,7 +535,34 @@ class BaseLockBackend(SanitizedLookups, ABC):
         and the next call opens the child's own. Locks a parent thread may have held
         at the fork are replaced, not taken."""
         self._wake_ups_mutex = threading.Lock()
+        # The parent's pending orphans are the parent's to release; its thread is
+        # not running here.
+        self.__dict__.pop("_orphans_built", None)
         self._forget_clients_after_fork()
+
+    # -------------------------------------------------------------- orphans
+    @property
+    def orphans(self) -> OrphanReleaser:
+        """The releaser of this backend's orphaned acquires (built on first use)."""
+        with self._wake_ups_mutex:
+            built: OrphanReleaser | None = self.__dict__.get("_orphans_built")
+            if built is None:
+                built = self.__dict__["_orphans_built"] = OrphanReleaser(self)
+            return built
+
+    def _acquire_failed(self, key: str, lock_id: str | None, error: BaseException) -> None:
+        """An acquire of ``key`` that had chosen ``lock_id`` raised ``error``: when
+        the server may still run it, its lock id is released in the background."""
+        if lock_id is None or not self.abandoned_requests_run:
+            return
+        if isinstance(error, LockError) and not self._acquire_may_have_run(error):
+            return
+        self.orphans.adopt(lock_id, key, error)
+
+    def _acquire_may_have_run(self, error: LockError) -> bool:
+        """Whether an acquire that raised ``error`` may have reached the server (a
+        backend that can tell a refused connection from a lost reply narrows it)."""
+        return isinstance(error, NetworkTimeout | ServiceUnavailable)
 
     def _forget_clients_after_fork(self) -> None:
         """Drop the clients inherited from the parent without closing them (a backend

@@ -178,6 +178,47 @@ def pay_after_stall(pk: int, gate: str) -> str:
     return "paid"
 
 
+#: The lock options of the README's first task example (section 4, Tasks): a lease
+#: renewed while the run lives, short enough that a killed run's key is free again
+#: within 11 s (ttl_ms plus the 1 s takeover tolerance), and a wait well past that.
+README_TASK_LOCK: dict[str, Any] = {"ttl_ms": 10_000, "auto_extend": True, "timeout_ms": 30_000}
+#: The example's options before issue 23: a 30 s lease and the default 5 s wait
+#: (``syncguard.W005`` warns about them), for the comparison test.
+OLD_README_TASK_LOCK: dict[str, Any] = {"ttl_ms": 30_000, "auto_extend": True}
+
+
+def pay_share_once(pk: int, gate: str) -> str:
+    """The body of the README's first task example, with one payment per task (so
+    that every task's own work shows): pay this task's share of invoice ``pk`` unless
+    a run of it already did (a redelivered run finds it done), then the fenced write.
+    The first run to hold the key stalls at ``gate`` before paying: the test kills it
+    there."""
+    fence = held_fence()
+    record("held", fence)
+    task_id = current_task.request.id
+    if Payment.objects.using(DB).filter(task_id=task_id).exists():
+        return "already paid"
+    if gate_client().set(f"{gate}:stalled", run_label(), nx=True):
+        wait_at_gate(gate)
+    Payment.objects.using(DB).create(invoice_id=pk, task_id=task_id)
+    mark_paid(pk, fence)
+    return "paid"
+
+
+@shared_task(acks_late=True, reject_on_worker_lost=True)
+@locked("invoice:<pk>", using=LOCK_ALIAS, **README_TASK_LOCK)
+def pay_share(pk: int, gate: str) -> str:
+    """The README's first task example: see :func:`pay_share_once`."""
+    return pay_share_once(pk, gate)
+
+
+@shared_task(acks_late=True, reject_on_worker_lost=True)
+@locked("invoice:<pk>", using=LOCK_ALIAS, **OLD_README_TASK_LOCK)
+def pay_share_old_options(pk: int, gate: str) -> str:
+    """:func:`pay_share` with the example's lock options before issue 23."""
+    return pay_share_once(pk, gate)
+
+
 @shared_task
 @locked("skip:<key>", using=LOCK_ALIAS, on_contended="skip")
 def skip_when_held(key: str) -> str:

@@ -13,10 +13,11 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 
 from ...cancellation import CancelToken, check_cancel
 from ...constants import BACKEND_LIMITS, RESERVE_BYTES, TIME_TOLERANCE_MS
-from ...errors import InvalidArgument
+from ...errors import InvalidArgument, LockError
 from ...fence_floors import IdleCounter
 from ...fencing import fence_overflow_error, format_fence
 from ...keys import derived, fence_key_of, generate_lock_id, make_storage_key
+from ...orphans import note_sent
 from ...owners import QueueStats
 from ...results import (
     AcquireResult,
@@ -29,6 +30,7 @@ from ...results import (
 from ...waiting import WaitTicket, WakeUps
 from ..base import BaseLockBackend, BatchedCleanup
 from .connections import REPLY_MARGIN_S, PrivateConnections, close_quietly
+from .errors import may_have_run
 from .operations import (
     FENCE_OVERFLOW,
     LOCKED,
@@ -80,6 +82,8 @@ class DatabaseBackend(BatchedCleanup, BaseLockBackend):
             self.connections.run, database=self.database, queues=self.wake_ups_enabled
         )
         self.connections.prepare = self.ops.prepare_connection
+        # A server across a network may run an acquire whose reply never came back.
+        self.abandoned_requests_run = self.ops.over_network
 
     @classmethod
     def check_settings(cls, alias: str, params: Mapping[str, Any]) -> list[CheckMessage]:
@@ -87,6 +91,9 @@ class DatabaseBackend(BatchedCleanup, BaseLockBackend):
         ``SYNCGUARD_BACKENDS`` entry is ``params``), without building a backend and
         without I/O: the judgement the constructor makes, as system-check errors."""
         return check_errors(alias, params)
+
+    def _acquire_may_have_run(self, error: LockError) -> bool:
+        return may_have_run(error)
 
     def check(self, **kwargs: Any) -> list[CheckMessage]:
         """What the vendor finds in the ``DATABASES`` alias's settings (no I/O)."""
@@ -189,7 +196,7 @@ class DatabaseBackend(BatchedCleanup, BaseLockBackend):
     def _acquire(
         self, key: str, ttl_ms: int, cancel: CancelToken | None, ticket: WaitTicket | None = None
     ) -> AcquireResult:
-        lock_id = generate_lock_id()
+        lock_id = note_sent(generate_lock_id())
         check_cancelled = partial(check_cancel, cancel, {"key": key})
         status, fence, expires, position = self.ops.acquire(
             self.storage_keys(key),

@@ -78,3 +78,31 @@ def map_database_error(exc: BaseException, alias: str) -> LockError:
     if sqlstate in ("42P01", "42883") or "no such table" in text.lower():
         message += MIGRATE_HINT.format(alias=alias)
     return error_cls(message, context={"cause": exc})
+
+
+#: SQLSTATEs of a statement the server itself cancelled or never started: it rolled
+#: back, so it took no lock.
+_NOT_RUN_SQLSTATES = ("57014", "55P03", "57P03", "53300", "08001", "08004", "28", "40")
+#: Driver messages of a connection that was never made: nothing was sent.
+_NEVER_CONNECTED = (
+    "could not connect",
+    "connection refused",
+    "connection failed",
+    "connection timeout expired",
+    "unable to open database",
+)
+
+
+def may_have_run(error: LockError) -> bool:
+    """Whether the statement behind ``error`` (a ``NetworkTimeout`` or
+    ``ServiceUnavailable``) may still commit on the server: its reply was lost or
+    not waited for, rather than refused, cancelled or never sent."""
+    if not isinstance(error, NetworkTimeout | ServiceUnavailable):
+        return False
+    exc = error.context.get("cause")
+    cause = exc.__cause__ if isinstance(exc, DjangoDatabaseError) and exc.__cause__ else exc
+    sqlstate = getattr(cause, "sqlstate", None) or getattr(cause, "pgcode", None) or ""
+    if sqlstate and sqlstate.startswith(_NOT_RUN_SQLSTATES):
+        return False
+    lowered = str(cause).lower()
+    return not any(needle in lowered for needle in _NEVER_CONNECTED)

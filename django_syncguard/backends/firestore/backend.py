@@ -39,11 +39,19 @@ from ...fence_floors import IdleCounter, next_fence
 from ...fencing import FENCE_MAX, fence_overflow_error, format_fence
 from ...keys import generate_lock_id
 from ...liveness import is_live
+from ...orphans import note_sent
 from ...owners import QueueStats
 from ...results import AcquireResult, ExtendResult, LockPage, LockRecord, ReleaseResult
 from ...waiting import CHECK_IN_MS, WaitTicket, WakeUps, queue_admits, queue_head
 from ..base import BaseLockBackend, BatchedCleanup, mapping_option
-from .client import FirestoreClients, _firestore, guard_failed, mapped_error, outcome_unknown
+from .client import (
+    FirestoreClients,
+    _firestore,
+    commit_may_have_applied,
+    guard_failed,
+    mapped_error,
+    outcome_unknown,
+)
 from .documents import (
     ACQUIRED_AT_MS,
     ARRIVALS,
@@ -137,6 +145,8 @@ class FirestoreBackend(BatchedCleanup, BaseLockBackend):
         "FENCE_COLLECTION",
         "CLIENT_KWARGS",
     }
+    #: A commit whose deadline passed (or whose connection broke) may still apply.
+    abandoned_requests_run = True
 
     def __init__(self, alias: str = "default", params: Mapping[str, Any] | None = None) -> None:
         super().__init__(alias, params)
@@ -361,7 +371,7 @@ class FirestoreBackend(BatchedCleanup, BaseLockBackend):
     def _acquire(
         self, key: str, ttl_ms: int, cancel: CancelToken | None, ticket: WaitTicket | None = None
     ) -> AcquireResult:
-        refs, lock_id = self._acquire_refs(key), generate_lock_id()
+        refs, lock_id = self._acquire_refs(key), note_sent(generate_lock_id())
         for _ in range(CONFLICT_ATTEMPTS):
             snaps = self._call(lambda: list(self.client.get_all(list(refs))))
             batch = self.client.batch()
@@ -376,7 +386,7 @@ class FirestoreBackend(BatchedCleanup, BaseLockBackend):
         self, key: str, ttl_ms: int, cancel: CancelToken | None, ticket: WaitTicket | None = None
     ) -> AcquireResult:
         client = self.aclient()
-        refs, lock_id = self._acquire_refs(key, client), generate_lock_id()
+        refs, lock_id = self._acquire_refs(key, client), note_sent(generate_lock_id())
         for _ in range(CONFLICT_ATTEMPTS):
             snaps = await self._acall(_collect(client.get_all(list(refs))))
             batch = client.batch()
@@ -524,6 +534,9 @@ class FirestoreBackend(BatchedCleanup, BaseLockBackend):
                 return outcome
             unknown = unknown or committed is None
         raise self._kept_changing()
+
+    def _acquire_may_have_run(self, error: LockError) -> bool:
+        return commit_may_have_applied(error)
 
     def _kept_changing(self, what: str = "the lock") -> ServiceUnavailable:
         return ServiceUnavailable(

@@ -230,3 +230,14 @@ class FirestoreClients:
 async def _aclose(client: Any) -> None:
     client.close()
     await close_channel(client)
+
+
+def commit_may_have_applied(error: LockError) -> bool:
+    """Whether the call behind ``error`` may have been applied by the server: its
+    deadline passed or the service broke off, rather than a refusal or a conflict
+    (``Aborted``: the batch's guard failed, nothing was written)."""
+    from google.api_core import exceptions as api
+
+    cause = error.context.get("cause")
+    maybe = (api.DeadlineExceeded, api.RetryError, api.ServiceUnavailable, api.InternalServerError)
+    return isinstance(cause, maybe) and not isinstance(cause, api.Aborted)

@@ -65,6 +65,7 @@ from ...errors import InvalidArgument, LockError, ServiceUnavailable
 from ...fence_floors import FenceMode, IdleCounter
 from ...fencing import FENCE_MAX, fence_overflow_error, format_fence
 from ...keys import derived, generate_lock_id, make_storage_key
+from ...orphans import note_sent
 from ...owners import QueueStats
 from ...results import AcquireResult, ExtendResult, LockPage, LockRecord, ReleaseResult
 from ...waiting import WaitTicket, WakeUps
@@ -77,6 +78,7 @@ from .client import (
     no_script_error,
     redirect_errors,
     redis_error,
+    redis_lost_reply_errors,
 )
 from .scripts import CLUSTER_SCRIPTS, SCRIPTS
 
@@ -160,6 +162,9 @@ class RedisBackend(BaseLockBackend):
     known_options: ClassVar[frozenset[str]] = (
         BaseLockBackend.known_options | CLIENT_OPTIONS | {"WAIT_REPLICAS", "WAIT_TIMEOUT_MS"}
     )
+    #: A paused server runs the scripts it has read once it resumes, even those of a
+    #: connection the client closed on a timeout.
+    abandoned_requests_run = True
 
     def __init__(self, alias: str = "default", params: Mapping[str, Any] | None = None) -> None:
         super().__init__(alias, params)
@@ -356,9 +361,9 @@ class RedisBackend(BaseLockBackend):
         if self.cluster:
             # The lock id says the hash's slot; index and floor carry its tag.
             slot = slots.key_slot(lock_key)
-            lock_id, floor_key = slots.new_lock_id(slot), self.slot_floor_key(slot)
+            lock_id, floor_key = note_sent(slots.new_lock_id(slot)), self.slot_floor_key(slot)
         else:
-            lock_id = generate_lock_id()
+            lock_id = note_sent(generate_lock_id())
         # Every key the script touches is in KEYS, the floor too (Redis Cluster routes
         # and checks a script by its declared keys).
         keys = [lock_key, self.index_key(lock_id), floor_key]
@@ -413,6 +418,14 @@ class RedisBackend(BaseLockBackend):
             await self._acall("release", undo, [lock_id, TIME_TOLERANCE_MS])
             raise self._too_few(acks, "the lock was released again.")
         return result
+
+    def _acquire_may_have_run(self, error: LockError) -> bool:
+        """A timeout or a connection lost after the request was written; not a
+        refused connection (redis-py says "connecting"), nor a reply of the server's
+        (MOVED, TRYAGAIN, READONLY: the script did not run)."""
+        cause = error.context.get("cause")
+        lost = redis_lost_reply_errors()
+        return isinstance(cause, lost) and "connecting" not in str(cause).lower()
 
     def _undo_keys(self, acquire_keys: list[str]) -> list[str]:
         """The release script's KEYS for the lock an acquire with ``acquire_keys``

@@ -97,6 +97,13 @@ def no_script_error() -> type[Exception]:
     return error
 
 
+def redis_lost_reply_errors() -> tuple[type[Exception], ...]:
+    """redis-py's errors of a reply that did not come (a timeout, a dropped
+    connection), as opposed to a reply the server sent."""
+    errors = _redis().exceptions
+    return (errors.TimeoutError, errors.ConnectionError)
+
+
 def map_redis_error(exc: BaseException, alias: str) -> LockError:
     """The ``LockError`` for a redis-py exception."""
     redis = _redis()
