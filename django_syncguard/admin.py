@@ -93,7 +93,7 @@ class LockInspectorAdmin(_ModelAdmin):
             backend = None
         else:
             fences = inspector.fences_of(backend) if backend is not None else None
-            rows = inspector.rows_of(page, alias, tokens, show_keys=show_keys)
+            rows = inspector.rows_of(page, alias, tokens, show_keys=show_keys, backend=backend)
             if page.next_cursor is not None:
                 query = {
                     "alias": alias,
@@ -109,7 +109,14 @@ class LockInspectorAdmin(_ModelAdmin):
             "backend": backend,
             "fences": fences,
             "prefix": prefix,
-            "rows": [(row, inspector.format_remaining(row.remaining_ms)) for row in rows],
+            "rows": [
+                (
+                    row,
+                    inspector.format_remaining(row.remaining_ms),
+                    inspector.format_wait(row.oldest_wait_ms),
+                )
+                for row in rows
+            ],
             "show_keys": show_keys,
             "can_force_release": request.user.has_perm(FORCE_RELEASE),
             "first_url": "?" + urlencode({"alias": alias, "q": prefix}),

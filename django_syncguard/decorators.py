@@ -32,6 +32,7 @@ from .acquisition import LockOptions, LockSpec, Skipped
 from .errors import InvalidArgument
 from .key_templates import KeyTemplate
 from .leases import Lease
+from .owners import function_name, running, task_context_id
 from .registry import register_locked
 
 if TYPE_CHECKING:
@@ -65,14 +66,17 @@ class locked:  # noqa: N801 - used like a function, as contextlib's helpers are
         literal = self.template.literal_parameters(signature)
         register_locked(fn, self.spec, self.template.template, literal)
         render = functools.partial(self.template.render, signature)
+        # The owner label names this function (see owners.py): set around the call.
+        owner = function_name(fn)
 
         if inspect.iscoroutinefunction(fn):
 
             @functools.wraps(fn)
             async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
                 try:
-                    async with self.spec.ahold(render(args, kwargs)):
-                        return await fn(*args, **kwargs)
+                    with running(owner, task_context_id(args)):
+                        async with self.spec.ahold(render(args, kwargs)):
+                            return await fn(*args, **kwargs)
                 except Skipped:  # on_contended="skip": the key was held
                     return None
 
@@ -81,7 +85,7 @@ class locked:  # noqa: N801 - used like a function, as contextlib's helpers are
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             try:
-                with self.spec.hold(render(args, kwargs)):
+                with running(owner, task_context_id(args)), self.spec.hold(render(args, kwargs)):
                     return fn(*args, **kwargs)
             except Skipped:  # on_contended="skip": the key was held
                 return None

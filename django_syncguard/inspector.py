@@ -23,6 +23,7 @@ from typing import Any
 from .contract import LockBackend, fence_keeper
 from .errors import LockError
 from .keys import display_hash, hash_key
+from .owners import QueueStats
 from .results import LockPage, ReleaseResult
 from .signals import lock_force_released, prepare, send
 
@@ -46,6 +47,14 @@ class Row:
     acquired_at: dt.datetime
     expires_at: dt.datetime
     remaining_ms: int  # by the backend's clock
+    #: The holder's label (None: not recorded, see OPTIONS["RECORD_OWNER"]).
+    owner: str | None = None
+    #: Live waiters queued for the key (None: the backend keeps no queues, or they
+    #: could not be read).
+    waiters: int | None = None
+    #: How long the longest-waiting of them has waited, by the backend's clock (None:
+    #: nobody waits, or the backend does not record when a waiter queued).
+    oldest_wait_ms: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,11 +100,22 @@ class Tokens:
         self.session[SESSION_KEY] = {"rows": dict(rows), "cursors": dict(cursors)}
 
 
-def rows_of(page: LockPage, alias: str, tokens: Tokens, *, show_keys: bool) -> list[Row]:
-    """The rows of ``page``, registering a token for each."""
+def rows_of(
+    page: LockPage,
+    alias: str,
+    tokens: Tokens,
+    *,
+    show_keys: bool,
+    backend: LockBackend | None = None,
+) -> list[Row]:
+    """The rows of ``page``, registering a token for each; with ``backend``, each with
+    the waiters queued for its key (one request for the page: :func:`queues_of`)."""
+    queues = queues_of(backend, page) if backend is not None else None
     rows = []
     for record in page.records:
         lock_id_hash = hash_key(record.lock_id)
+        stats = queues.get(record.key) if queues is not None else None
+        since = stats.oldest_since_ms if stats is not None else None
         rows.append(
             Row(
                 token=tokens.add_row(alias, record.key, lock_id_hash, record.fence),
@@ -105,9 +125,26 @@ def rows_of(page: LockPage, alias: str, tokens: Tokens, *, show_keys: bool) -> l
                 acquired_at=from_ms(record.acquired_at_ms),
                 expires_at=from_ms(record.expires_at_ms),
                 remaining_ms=record.expires_at_ms - page.now_ms,
+                owner=record.owner,
+                waiters=None if queues is None else (stats.waiters if stats else 0),
+                oldest_wait_ms=None if since is None else max(0, page.now_ms - since),
             )
         )
     return rows
+
+
+def queues_of(backend: LockBackend, page: LockPage) -> dict[str, QueueStats] | None:
+    """The live waiters of the page's keys (``None``: the backend keeps no queues, or
+    they could not be read: the locks are still worth seeing)."""
+    stats = getattr(backend, "queue_stats", None)
+    if stats is None or getattr(backend, "wake_ups", None) is None:
+        return None
+    try:
+        found: dict[str, QueueStats] = stats([record.key for record in page.records])
+    except LockError as exc:
+        logger.warning("Reading the waiters of %r failed: %s", backend.alias, exc)
+        return None
+    return found
 
 
 def force_release(backend: LockBackend, target: Target, *, user: Any, reason: str) -> ReleaseResult:
@@ -155,6 +192,11 @@ def fences_of(backend: LockBackend) -> str | None:
 
 def from_ms(ms: int) -> dt.datetime:
     return dt.datetime.fromtimestamp(ms / 1000, tz=dt.UTC)
+
+
+def format_wait(ms: int | None) -> str:
+    """An oldest wait at a glance, or an em dash when there is none to show."""
+    return "\u2014" if ms is None else format_remaining(ms)
 
 
 def format_remaining(ms: int) -> str:

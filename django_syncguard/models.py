@@ -26,6 +26,9 @@ class Lock(models.Model):
     #: A waiter may be queued for this key (PostgreSQL): only then does a release look
     #: for one to wake. Never False while one is (it may stay True after they left).
     waiters = models.BooleanField(db_default=False)
+    #: The holder's label (host, pid, thread or task, function; django_syncguard.owners),
+    #: at most 128 bytes. NULL when the alias does not record owners (RECORD_OWNER).
+    owner = models.TextField(null=True, blank=True)  # noqa: DJ001 - NULL means "not recorded"
 
     class Meta:
         db_table = "syncguard_locks"
@@ -87,6 +90,9 @@ class Waiter(models.Model):
     #: The ticket stops holding the queue up after this instant (the time authority's
     #: ms), unless its waiter checks in again.
     live_until_ms = models.BigIntegerField()
+    #: When the ticket was queued (the time authority's ms; again after its place
+    #: lapsed): the inspector's oldest wait. NULL for rows queued before 0007.
+    queued_at_ms = models.BigIntegerField(null=True)
 
     class Meta:
         db_table = "syncguard_waiters"

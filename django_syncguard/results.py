@@ -102,13 +102,17 @@ class ExtendResult:
 
 @dataclass(frozen=True, slots=True)
 class LockInfo:
-    """Sanitized facts about a live lock: hashes only, never the key or lock id."""
+    """Sanitized facts about a live lock: hashes only, never the key or lock id.
+
+    ``owner`` is the holder's label (:mod:`~django_syncguard.owners`), ``None`` where
+    the alias does not record it (``OPTIONS["RECORD_OWNER"] = False``)."""
 
     key_hash: str
     lock_id_hash: str
     expires_at_ms: int
     acquired_at_ms: int
     fence: str | None
+    owner: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         data: dict[str, Any] = {
@@ -119,6 +123,8 @@ class LockInfo:
         }
         if self.fence is not None:
             data["fence"] = self.fence
+        if self.owner is not None:
+            data["owner"] = self.owner
         return data
 
 
@@ -133,6 +139,7 @@ class LockInfoDebug:
     fence: str | None
     key: str
     lock_id: str
+    owner: str | None = None
 
     def sanitized(self) -> LockInfo:
         return LockInfo(
@@ -141,6 +148,7 @@ class LockInfoDebug:
             expires_at_ms=self.expires_at_ms,
             acquired_at_ms=self.acquired_at_ms,
             fence=self.fence,
+            owner=self.owner,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -167,6 +175,7 @@ class LockRecord:
     expires_at_ms: int
     acquired_at_ms: int
     fence: str | None
+    owner: str | None = None
 
     def debug_info(self) -> LockInfoDebug:
         return LockInfoDebug(
@@ -177,6 +186,7 @@ class LockRecord:
             fence=self.fence,
             key=self.key,
             lock_id=self.lock_id,
+            owner=self.owner,
         )
 
 

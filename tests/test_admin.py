@@ -3,7 +3,10 @@ shows and hides, pagination, and the force-release action with its audit entry."
 
 from __future__ import annotations
 
+import os
 import re
+import socket
+import threading
 import uuid
 
 import pytest
@@ -11,10 +14,12 @@ from django.contrib.admin.models import DELETION, LogEntry
 from django.contrib.auth.models import Permission, User
 from django.test import override_settings
 
-from django_syncguard import hash_key, locks
+from django_syncguard import hash_key, lock, locks, owners
 from django_syncguard.keys import display_hash
 from django_syncguard.liveness import FakeClock
 from django_syncguard.signals import lock_force_released
+from django_syncguard.waiting import WaitTicket
+from tests.support.faults import wait_until
 
 INSPECTOR = "/admin/django_syncguard/lock/"
 TTL = 60_000
@@ -337,3 +342,75 @@ def test_without_the_key_permission_no_page_tells_anything_about_keys(
     # The operators' log line too.
     [line] = [r.getMessage() for r in caplog.records if r.name == "django_syncguard.inspector"]
     assert line.startswith(f"Lock {shown[alice]} on 'default' force-released by staff-")
+
+
+# ------------------------------------------------------------ owners, waiters
+def cells(html: str, name: str) -> list[str]:
+    """The text of every ``<td class="name">`` cell, in row order."""
+    return re.findall(rf'<td class="{name}">(.*?)</td>', html)
+
+
+def owner_of_this_thread() -> str:
+    host = owners.clip(socket.gethostname(), owners.PART_BYTES)
+    return f"{host}:{os.getpid()} thread:{threading.current_thread().name} -"
+
+
+def test_the_page_shows_owners_waiters_and_the_oldest_wait(as_user, memory_alias):
+    held = memory_alias.acquire("invoice:7", TTL)
+    memory_alias.acquire("invoice:8", TTL)
+    # A real waiter: lock() in a thread, queued behind the holder of invoice:7.
+    done = threading.Event()
+    waiter = threading.Thread(
+        target=lambda: lock(done.set, key="invoice:7", using=memory_alias, timeout_ms=60_000),
+        daemon=True,
+    )
+    waiter.start()
+    try:
+        wait_until(lambda: memory_alias.queue_stats(["invoice:7"]) != {}, 30, "the waiter queues")
+        memory_alias.clock.advance(1_500)
+
+        html = as_user("view_lock").get(INSPECTOR).content.decode()
+    finally:
+        memory_alias.release(held.lock_id)
+        waiter.join(30)
+    assert done.is_set()
+    assert cells(html, "owner") == [f"<code>{owner_of_this_thread()}</code>"] * 2
+    assert cells(html, "waiters") == ["1", "0"]  # invoice:7, invoice:8
+    assert cells(html, "oldest-wait") == ["1.5 s", "\u2014"]
+
+
+def test_without_recorded_owners_or_queues_the_cells_say_so(as_user):
+    backends = {
+        "default": {
+            "BACKEND": "django_syncguard.backends.memory.MemoryBackend",
+            "LOCATION": f"admin-{uuid.uuid4().hex}",
+            "OPTIONS": {"RECORD_OWNER": False, "WAKE_UPS": False},
+        }
+    }
+    with override_settings(SYNCGUARD_BACKENDS=backends):
+        locks["default"].acquire("invoice:9", TTL)
+        html = as_user("view_lock").get(INSPECTOR).content.decode()
+        locks["default"].reset()
+    assert cells(html, "owner") == ["\u2014"]
+    assert cells(html, "waiters") == ["\u2014"]  # no queues: nothing to count
+    assert cells(html, "oldest-wait") == ["\u2014"]
+
+
+@pytest.mark.django_db(transaction=True)  # the release below must not wait for the test's
+def test_the_database_alias_shows_owners_and_waiter_counts(as_user):
+    backends = {"db": {"BACKEND": "django_syncguard.backends.database.DatabaseBackend"}}
+    key = f"owned:{uuid.uuid4().hex}"
+    with override_settings(SYNCGUARD_BACKENDS=backends):
+        backend = locks["db"]
+        held = backend.acquire(key, TTL)
+        try:
+            backend.acquire(key, TTL, ticket=WaitTicket.new())  # a queued waiter
+            client = as_user("view_lock", "view_lock_key")
+            html = client.get(INSPECTOR, {"alias": "db", "q": key}).content.decode()
+        finally:
+            backend.release(held.lock_id)
+    assert cells(html, "owner") == [f"<code>{owner_of_this_thread()}</code>"]
+    assert cells(html, "waiters") == ["1"]
+    # By the system clock (SQLite's time authority): queued an instant ago.
+    [oldest] = cells(html, "oldest-wait")
+    assert re.fullmatch(r"\d+\.\d s", oldest) and float(oldest[:-2]) < 30, oldest

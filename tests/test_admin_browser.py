@@ -1,11 +1,14 @@
 """The lock inspector in a real browser (Debian's Chromium, headless, driven by
 Playwright) against the live test server: log in, find a lock that another process
-holds, force-release it; a screenshot of each step is kept in ``test-artifacts/``."""
+holds (its owner label, and the waiters queued behind it), force-release it; a
+screenshot of each step is kept in ``test-artifacts/``."""
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
+import socket
 import subprocess
 import sys
 import textwrap
@@ -16,7 +19,7 @@ from django.contrib.auth.models import Permission, User
 from django.db import connection
 from django.test import override_settings
 
-from django_syncguard import hash_key
+from django_syncguard import hash_key, owners
 from django_syncguard.keys import display_hash
 from tests.support.servers import IN_CI
 
@@ -26,7 +29,8 @@ ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
 ROOT = Path(__file__).resolve().parent.parent
 
 # The other process: takes the lock through the database backend on the test
-# database file, says so, and holds it until told to let go.
+# database file, queues two waiters' tickets behind it (patient enough to outlast the
+# test: nobody renews them), says so, and holds it until told to let go.
 HOLDER = textwrap.dedent(
     """
     import sys
@@ -39,9 +43,13 @@ HOLDER = textwrap.dedent(
         SYNCGUARD_BACKENDS={"db": {"BACKEND": sys.argv[2]}},
     )
     django.setup()
-    from django_syncguard import locks
+    from django_syncguard import generate_lock_id, locks
+    from django_syncguard.waiting import WaitTicket
 
     held = locks["db"].acquire("invoice:42", 120_000)
+    for _ in range(2):
+        ticket = WaitTicket(generate_lock_id(), patience_ms=120_000)
+        assert not locks["db"].acquire("invoice:42", 120_000, ticket=ticket).ok
     print(held.fence, flush=True)
     sys.stdin.readline()
     print(locks["db"].release(held.lock_id).ok, flush=True)
@@ -132,6 +140,15 @@ def test_operator_force_releases_a_lock_held_by_another_process(live_server, chr
         assert row.locator("td.key-hash").inner_text() == shown
         assert hash_key("invoice:42") not in page.content()
         assert row.locator("td.fence").inner_text() == fence
+        # Who holds it: the holder process's label (host, its pid, its thread; no
+        # decorated function), and the two waiters queued behind it.
+        host = owners.clip(socket.gethostname(), owners.PART_BYTES)
+        owner = f"{host}:{process.pid} thread:MainThread -"
+        assert row.locator("td.owner").inner_text() == owner
+        assert row.locator("td.waiters").inner_text() == "2"
+        # Queued by the holder a moment before the page was read (the system clock).
+        oldest = row.locator("td.oldest-wait").inner_text()
+        assert re.fullmatch(r"\d+\.\d s", oldest) and float(oldest[:-2]) < 60, oldest
         page.screenshot(path=str(ARTIFACTS / "inspector-1-lock-held.png"), full_page=True)
 
         row.locator("a.force-release").click()

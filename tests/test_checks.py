@@ -228,7 +228,7 @@ def test_e003_unknown_option(settings):
         alias="default",
         error="Unknown OPTIONS for MemoryBackend (alias 'default'): TABLE. "
         "Known: CLEANUP_IN_IS_LOCKED, CLOCK, CONNECT_TIMEOUT_MS, FENCES, OPERATION_TIMEOUT_MS, "
-        "WAKE_UPS.",
+        "RECORD_OWNER, WAKE_UPS.",
     )
 
 

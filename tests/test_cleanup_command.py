@@ -178,5 +178,5 @@ def test_misconfigured_backend_is_a_command_error():
     assert str(caught.value) == (
         "bad: the backend cannot be used: Unknown OPTIONS for MemoryBackend (alias 'bad'): X. "
         "Known: CLEANUP_IN_IS_LOCKED, CLOCK, CONNECT_TIMEOUT_MS, FENCES, OPERATION_TIMEOUT_MS, "
-        "WAKE_UPS."
+        "RECORD_OWNER, WAKE_UPS."
     )

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+import os
 import re
+import socket
 import threading
 
 import pytest
+from django.utils.module_loading import import_string
 
 from django_syncguard import (
     FENCE_THRESHOLDS,
@@ -18,7 +22,10 @@ from django_syncguard import (
     ReleaseResult,
     generate_lock_id,
     hash_key,
+    locked,
+    owners,
 )
+from django_syncguard.waiting import WaitTicket
 
 LOCK_ID = re.compile(r"[A-Za-z0-9_-]{22}")
 TTL = 10_000
@@ -208,6 +215,7 @@ def test_lookup_is_sanitized(backend, harness):
         "expiresAtMs",
         "acquiredAtMs",
         "fence",
+        "owner",
     }
     assert "secret:42" not in repr(by_key) and result.lock_id not in repr(by_key)
 
@@ -414,3 +422,122 @@ async def test_async_twins_validate_before_io(no_io):
     cancel.set()
     with pytest.raises(Aborted):
         await no_io.ais_locked("k", cancel=cancel)
+
+
+# --------------------------------------------------------------------- owners
+def _prefix() -> str:
+    """``HOST:PID`` as the owner label starts (the host clipped as the label clips it)."""
+    return f"{owners.clip(socket.gethostname(), owners.PART_BYTES)}:{os.getpid()}"
+
+
+def _sibling(harness, **options):
+    """Another backend on the same storage as ``harness.backend``, with ``options``."""
+    entry = dict(harness.settings_entry)
+    cls = import_string(entry.pop("BACKEND"))
+    entry["OPTIONS"] = {**entry.get("OPTIONS", {}), **options}
+    return cls(f"{harness.backend.alias}-sibling", entry)
+
+
+def test_owner_label_names_host_pid_and_thread(backend, harness):
+    result = acquire_ok(harness, "owner:plain")
+    expected = f"{_prefix()} thread:{threading.current_thread().name} -"
+    info = backend.lookup(key="owner:plain")
+    assert info.owner == expected
+    assert info.to_dict()["owner"] == expected
+    assert backend.lookup(lock_id=result.lock_id).owner == expected
+    assert backend.lookup_raw(key="owner:plain").owner == expected
+    (record,) = backend.list_locks(prefix="owner:plain").records
+    assert record.owner == expected
+    # Extending keeps the label.
+    assert backend.extend(result.lock_id, TTL).ok
+    assert backend.lookup(key="owner:plain").owner == expected
+
+
+def test_owner_label_names_the_locked_function(backend, harness):
+    seen = []
+
+    @locked("owner:<n>", using=backend, until_commit=False)
+    def charge(n):
+        seen.append(backend.lookup(key=f"owner:{n}").owner)
+
+    charge(7)
+    thread = threading.current_thread().name
+    qualname = "test_owner_label_names_the_locked_function.<locals>.charge"
+    assert seen == [f"{_prefix()} thread:{thread} {__name__}.{qualname}"]
+
+
+async def test_owner_label_of_an_async_acquire_names_the_asyncio_task(backend, harness):
+    # Backends whose async I/O runs in a worker thread compute the label first, on
+    # the event loop: the label names this task, not the worker thread.
+    await backend.aacquire("owner:async", TTL)
+    name = asyncio.current_task().get_name()
+    assert (await backend.alookup(key="owner:async")).owner == f"{_prefix()} asyncio:{name} -"
+
+
+def test_record_owner_false_stores_no_label(harness):
+    quiet = type(harness)(RECORD_OWNER=False)
+    try:
+        backend = quiet.backend
+        result = backend.acquire("owner:off", TTL)
+        info = backend.lookup(key="owner:off")
+        assert info.owner is None
+        assert "owner" not in info.to_dict()
+        assert backend.lookup_raw(lock_id=result.lock_id).owner is None
+        (record,) = backend.list_locks(prefix="owner:off").records
+        assert record.owner is None
+    finally:
+        quiet.close()
+
+
+def test_a_lock_taken_over_without_a_label_keeps_none_of_the_last_one(backend, harness):
+    acquire_ok(harness, "owner:takeover", ttl_ms=1_000)
+    assert backend.lookup(key="owner:takeover").owner is not None
+    harness.advance(1_000 + 1_000 + 1)  # past expiry and the tolerance
+    quiet = _sibling(harness, RECORD_OWNER=False)
+    try:
+        taken = quiet.acquire("owner:takeover", TTL)
+        assert taken.ok and taken.fence == "000000000000002"
+        assert backend.lookup(key="owner:takeover").owner is None
+    finally:
+        quiet.close()
+
+
+def test_owner_label_is_bounded_and_clean(backend, harness):
+    done = []
+
+    def hold():
+        done.append(backend.acquire("owner:long", TTL))
+
+    # 300 characters of two and three bytes and a NUL: over the bound, unstorable as is.
+    worker = threading.Thread(target=hold, name="\x00" + "é" * 100 + "€" * 200)
+    worker.start()
+    worker.join()
+    assert done[0].ok
+    owner = backend.lookup(key="owner:long").owner
+    assert len(owner.encode("utf-8")) <= owners.MAX_OWNER_BYTES
+    # "thread:?" (8 bytes), then as many two-byte characters as the part's bytes allow.
+    assert owners.PART_BYTES == 48
+    assert owner == f"{_prefix()} thread:?{'é' * 20} -"
+
+
+def test_the_record_owner_option_must_be_a_bool(harness):
+    with pytest.raises(InvalidArgument, match="RECORD_OWNER"):
+        type(harness)(RECORD_OWNER="yes")
+
+
+def test_queue_stats_count_live_waiters_and_their_oldest_wait(backend, harness):
+    held = acquire_ok(harness, "owner:queue")
+    assert backend.queue_stats(["owner:queue"]) == {}
+    before = harness.now_ms()
+    first = WaitTicket.new()
+    assert backend.acquire("owner:queue", TTL, ticket=first).queue_position == 0
+    after = harness.now_ms()
+    harness.advance(200)
+    assert backend.acquire("owner:queue", TTL, ticket=WaitTicket.new()).queue_position == 1
+    # Renewing the first place keeps its queueing time.
+    assert backend.acquire("owner:queue", TTL, ticket=first).queue_position == 0
+    stats = backend.queue_stats(["owner:queue", "owner:nobody"])
+    assert set(stats) == {"owner:queue"}
+    assert stats["owner:queue"].waiters == 2
+    assert before <= stats["owner:queue"].oldest_since_ms <= after
+    backend.release(held.lock_id)

@@ -864,7 +864,7 @@ def test_compaction_waits_for_an_acquire_under_way_and_keeps_its_counter(pg):
     keys = DatabaseBackend.storage_keys("busy")
     lock_id = generate_lock_id()
     params = [keys.storage_key, keys.fence_key, lock_id, TTL, None, FENCE_MAX]
-    params += [TIME_TOLERANCE_MS, None, None, False]
+    params += [TIME_TOLERANCE_MS, None, None, False, None]  # (0007: the owner label)
     with ThreadPoolExecutor(1) as pool:
         with transaction.atomic(using="postgres"), connections["postgres"].cursor() as cursor:
             cursor.execute("SELECT pg_backend_pid()")

@@ -42,6 +42,9 @@ RELEASED = {
     "0006/acquire.sql": "f57449f9adcf48856aa2c8e518103c123a87bd8942d86124ed4e41b39ff8205d",
     "0006/acquire_legacy.sql": "3ccff6962080a8dc715dc694d7208841cfb2f4d22ad7e24b453fad697698dc9e",
     "0006/drop.sql": "6ce3116e95244b84d5b6f4c1bebf4e9a70a80a7ca63eb70263191806c6151892",
+    "0007/acquire.sql": "dee8a2f2869a8900c28357149236262ea4901f7f4f117f5eb732a95fc48b72a0",
+    "0007/acquire_legacy.sql": "695c98204b6ef0712fedd534607c9c25284b86b2fa8f7c335b634f99263adca1",
+    "0007/drop.sql": "8ce561018bf190c58b7c6a398131fdfe958723cb43f0973952d37a6ac94ef3b6",
 }
 
 #: The SHA-256 of what each migration runs, forward and reverse, placeholders expanded:
@@ -64,6 +67,12 @@ MIGRATIONS = {
     ),
     ("0006_fence_continuity", "REVERSE"): (
         "411866700be414918c4543852edeb2935a6eff5fe8494732373c5847c7303f85"
+    ),
+    ("0007_owners", "FORWARD"): (
+        "96302ff34989fb592571647efc42f8cc54701882db60063319736bb0f5a6c4ac"
+    ),
+    ("0007_owners", "REVERSE"): (
+        "49c1d3d3a57f90666dc8e8040369a17c962e213e90dab2b2e429cd4fd7839d45"
     ),
 }
 

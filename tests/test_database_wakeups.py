@@ -565,6 +565,21 @@ def test_the_reverse_migration_restores_the_previous_functions(
 
 def migrate_back_and_forth(alias: str) -> None:
     call_command("migrate", "django_syncguard", database=alias, verbosity=0)
+    # 0007: the eleven-argument acquire (owner label); the ten-argument one became its
+    # wrapper.
+    assert functions(alias) == {
+        ("syncguard_acquire", 7, "sql"),
+        ("syncguard_acquire", 9, "sql"),
+        ("syncguard_acquire", 10, "sql"),
+        ("syncguard_acquire", 11, "plpgsql"),
+        ("syncguard_channel", 1, "sql"),
+        ("syncguard_extend", 3, "plpgsql"),
+        ("syncguard_release", 2, "plpgsql"),
+        ("syncguard_withdraw", 3, "plpgsql"),
+    }
+    assert "owner" in columns(alias, "syncguard_locks")
+    assert "queued_at_ms" in columns(alias, "syncguard_waiters")
+    call_command("migrate", "django_syncguard", "0006", database=alias, verbosity=0)
     # 0006: the ten-argument acquire; the nine-argument one became its wrapper.
     assert functions(alias) == {
         ("syncguard_acquire", 7, "sql"),
@@ -576,6 +591,8 @@ def migrate_back_and_forth(alias: str) -> None:
         ("syncguard_withdraw", 3, "plpgsql"),
     }
     assert "acquired_at_ms" in counter_columns(alias)
+    assert "owner" not in columns(alias, "syncguard_locks")
+    assert "queued_at_ms" not in columns(alias, "syncguard_waiters")
     call_command("migrate", "django_syncguard", "0005", database=alias, verbosity=0)
     assert functions(alias) == {
         ("syncguard_acquire", 7, "sql"),
@@ -604,7 +621,16 @@ def migrate_back_and_forth(alias: str) -> None:
                 [generate_lock_id()],
             )
             assert cursor.fetchone()[:2] == (1, 1)
+            # So does the ten-argument one of code deployed before 0007 (no label).
+            cursor.execute(
+                "SELECT * FROM syncguard_acquire('older', 'fence:older', %s, 1000, NULL, 9, "
+                "1000, NULL, NULL, false)",
+                [generate_lock_id()],
+            )
+            assert cursor.fetchone()[:2] == (1, 1)
+        assert backend.lookup(key="older").owner is None
         assert backend.acquire("migrated", TTL).fence == "000000000000001"
+        assert backend.lookup(key="migrated").owner is not None
     finally:
         backend.close()
 
@@ -620,10 +646,15 @@ def functions(alias: str) -> set[tuple[str, int, str]]:
 
 
 def counter_columns(alias: str) -> set[str]:
+    return columns(alias, "syncguard_fence_counters")
+
+
+def columns(alias: str, table: str) -> set[str]:
     with connections[alias].cursor() as cursor:
         cursor.execute(
             "SELECT column_name FROM information_schema.columns "
-            "WHERE table_name = 'syncguard_fence_counters' AND table_schema = current_schema()"
+            "WHERE table_name = %s AND table_schema = current_schema()",
+            [table],
         )
         return {row[0] for row in cursor.fetchall()}
 
@@ -683,3 +714,35 @@ def test_sqlite_queue_lives_beside_the_database_and_never_reaches_other_processe
             listener.close()
     finally:
         backend.close()
+
+
+@on_sqlite
+def test_a_queue_file_made_before_queueing_times_gets_the_column_on_attach():
+    old = build("default")
+    try:
+        # A queue file as version 0006 made it: no queued_at_ms.
+        query(old, f"ALTER TABLE {QUEUE} DROP COLUMN queued_at_ms", [])
+        assert "queued_at_ms" not in queue_columns(old)
+    finally:
+        old.close()
+    backend = build("default")  # its private connection attaches the file again
+    try:
+        assert "queued_at_ms" in queue_columns(backend)
+        held = backend.acquire("wake:upgraded", TTL)
+        before = backend.now_ms()
+        assert backend.acquire("wake:upgraded", TTL, ticket=WaitTicket.new()).ok is False
+        after = backend.now_ms()
+        [(waiters, since)] = [
+            (s.waiters, s.oldest_since_ms) for s in backend.queue_stats(["wake:upgraded"]).values()
+        ]
+        assert waiters == 1 and before <= since <= after
+        assert backend.release(held.lock_id).ok
+    finally:
+        backend.close()
+
+
+def queue_columns(backend: DatabaseBackend) -> set[str]:
+    return {
+        str(row[1])
+        for row in query(backend, "PRAGMA syncguard_queue.table_info(syncguard_waiters)", [])
+    }

@@ -267,3 +267,30 @@ def test_the_package_registers_one_fork_hook(monkeypatch):
     monkeypatch.setattr(os, "register_at_fork", lambda **hooks: registered.append(hooks))
     lifecycle_module.install()  # already installed at import: nothing more
     assert registered == []
+
+
+@pytest.mark.parametrize("harness", ["memory", "redis"], indirect=True)
+def test_a_forked_child_s_owner_label_names_the_child_s_pid(harness):
+    """The label's ``HOST:PID`` is computed once per process and again in a forked
+    child (``owners._process`` is reset by the fork hook): a Celery prefork child's
+    locks name the child, not the parent that forked it."""
+    backend = harness.backend
+    parent = backend.acquire("fork:owner:parent", 10_000)
+    assert parent.ok
+    parents_label = backend.lookup(key="fork:owner:parent").owner
+    assert parents_label.split(" ")[0].endswith(f":{os.getpid()}")
+
+    def child() -> dict[str, Any]:
+        taken = backend.acquire("fork:owner:child", 10_000)
+        assert taken.ok
+        return {"pid": os.getpid(), "label": backend.lookup(key="fork:owner:child").owner}
+
+    forked = Forked(child)
+    forked.go()
+    childs = forked.result()
+    host = parents_label.split(":")[0]
+    thread = threading.current_thread().name  # the forking thread is the child's only one
+    assert childs["pid"] == forked.pid
+    assert childs["label"] == f"{host}:{forked.pid} thread:{thread} -"
+    # The parent's label is unchanged by the fork.
+    assert backend.lookup(key="fork:owner:parent").owner == parents_label

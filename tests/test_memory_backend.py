@@ -8,6 +8,8 @@ import pytest
 
 from django_syncguard import InvalidArgument
 from django_syncguard.backends.memory import MemoryBackend
+from django_syncguard.owners import QueueStats
+from django_syncguard.waiting import WaitTicket
 from tests.support.harness import MemoryHarness
 
 
@@ -98,3 +100,23 @@ def test_bad_options_are_refused(options):
 def test_key_prefix_must_be_a_string():
     with pytest.raises(InvalidArgument, match="KEY_PREFIX"):
         MemoryBackend("bad", {"KEY_PREFIX": 5})
+
+
+def test_a_waiter_that_lapsed_and_came_back_waits_from_its_return(mem):
+    """The inspector's oldest wait (``queue_stats``): a renewal keeps a place's
+    queueing time; a ticket whose place lapsed queues again at the end, from then."""
+    backend = mem.backend
+    held = backend.acquire("since", 60_000)
+    ticket = WaitTicket.new()
+    start = mem.now_ms()
+    assert backend.acquire("since", 60_000, ticket=ticket).queue_position == 0
+    mem.advance(1_000)
+    assert backend.acquire("since", 60_000, ticket=ticket).queue_position == 0  # renewal
+    assert backend.queue_stats(["since"]) == {"since": QueueStats(1, start)}
+    mem.advance(ticket.patience_ms + 1)  # the place lapses
+    back = mem.now_ms()
+    assert backend.acquire("since", 60_000, ticket=ticket).queue_position == 0
+    assert backend.queue_stats(["since"]) == {"since": QueueStats(1, back)}
+    backend.withdraw("since", ticket.id)
+    assert backend.queue_stats(["since"]) == {}
+    assert backend.release(held.lock_id).ok

@@ -34,6 +34,7 @@ from django_syncguard import (
     LockInfoDebug,
     ReleaseResult,
     generate_lock_id,
+    owners,
 )
 from django_syncguard.backends.base import BaseLockBackend
 from django_syncguard.backends.database import DatabaseBackend
@@ -244,6 +245,7 @@ def check_key(
             fence=result.fence,
             key=normal,
             lock_id=result.lock_id,
+            owner=owners.owner_label(),  # taken by this thread, outside @locked
         )
         assert backend.lookup_raw(key=key) == record
         assert backend.lookup_raw(key=twin) == record

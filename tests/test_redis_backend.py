@@ -120,8 +120,10 @@ def test_layout_is_one_hash_and_one_index_key_per_held_lock(rh):
     keys = sorted(k.decode() for k in backend.client.scan_iter(match=f"{rh.prefix}*"))
     assert keys == [f"{rh.prefix}#id:{result.lock_id}", f"{rh.prefix}:invoice:42"]
     lock = backend.client.hgetall(f"{rh.prefix}:invoice:42")
-    assert set(lock) == {b"f", b"i", b"e", b"a"}
+    # 'o': the owner label (OPTIONS["RECORD_OWNER"], on by default).
+    assert set(lock) == {b"f", b"i", b"e", b"a", b"o"}
     assert (lock[b"f"], lock[b"i"].decode()) == (b"1", result.lock_id)
+    assert lock[b"o"].decode() == backend.lookup(key="invoice:42").owner
     assert backend.client.get(f"{rh.prefix}#id:{result.lock_id}") == (
         f"{rh.prefix}:invoice:42".encode()
     )

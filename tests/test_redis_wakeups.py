@@ -369,7 +369,8 @@ async def test_async_waiters_are_woken_and_withdraw(rh):
             b"i",
             b"e",
             b"a",
-        }  # the queue is empty again: no field of it is left
+            b"o",  # the owner label
+        }  # the queue is empty again: no field of it is left (no w: nor s:)
     finally:
         listen_first.close()
         listen_second.close()

@@ -22,6 +22,7 @@ from django_syncguard import (
     StaleFenceError,
     fenced_update,
     hash_key,
+    owners,
 )
 from tests.support.harness import HARNESSES, Harness
 from tests.testapp.models import Account, Ledger
@@ -134,6 +135,7 @@ def test_stale_holder_cannot_write_after_a_newer_holder(harness: Harness) -> Non
         expires_at_ms=b.expires_at_ms,
         acquired_at_ms=b.expires_at_ms - TTL_B,
         fence=F2,
+        owner=owners.owner_label(),  # this thread took it, outside any @locked function
     )
     assert backend.lookup(lock_id=b.lock_id) == info
     assert backend.acquire(KEY, TTL_A) == AcquireResult(ok=False, reason="locked")

@@ -44,6 +44,7 @@ from ..fencing import check_fence
 from ..keys import normalize_and_validate_key, validate_lock_id
 from ..lifecycle import track
 from ..orphans import OrphanReleaser, watching_sends
+from ..owners import QueueStats, owner_label, pinned, record_owner_option
 from ..results import (
     AcquireResult,
     Capabilities,
@@ -146,7 +147,14 @@ class BaseLockBackend(SanitizedLookups, ABC):
     supports_fencing: ClassVar[bool] = True
     #: Options every backend accepts; subclasses extend it.
     known_options: ClassVar[frozenset[str]] = frozenset(
-        {"CLEANUP_IN_IS_LOCKED", "CONNECT_TIMEOUT_MS", "FENCES", "OPERATION_TIMEOUT_MS", "WAKE_UPS"}
+        {
+            "CLEANUP_IN_IS_LOCKED",
+            "CONNECT_TIMEOUT_MS",
+            "FENCES",
+            "OPERATION_TIMEOUT_MS",
+            "RECORD_OWNER",
+            "WAKE_UPS",
+        }
     )
     #: ``OPTIONS["FENCES"]`` when not set: "counter", the specification's counter,
     #: where counters are as durable as the locks; "clock" where they can be lost.
@@ -194,6 +202,8 @@ class BaseLockBackend(SanitizedLookups, ABC):
         )
         #: How new fences are computed (:mod:`django_syncguard.fence_floors`).
         self.fence_mode: FenceMode = fence_mode_option(self.options, self.default_fence_mode)
+        #: Whether each lock stores its holder's label (:mod:`django_syncguard.owners`).
+        self.record_owner: bool = record_owner_option(self.options)
         track(self)  # a forked child resets this backend (reset_after_fork)
 
     def __repr__(self) -> str:
@@ -615,7 +625,8 @@ class BaseLockBackend(SanitizedLookups, ABC):
     async def _aacquire(
         self, key: str, ttl_ms: int, cancel: CancelToken | None, ticket: WaitTicket | None = None
     ) -> AcquireResult:
-        return await self._in_thread(self._acquire, key, ttl_ms, cancel, ticket)
+        with pinned(self.record_owner):  # the label names this task, not the worker thread
+            return await self._in_thread(self._acquire, key, ttl_ms, cancel, ticket)
 
     async def _arelease(self, lock_id: str, cancel: CancelToken | None) -> ReleaseResult:
         return await self._in_thread(self._release, lock_id, cancel)
@@ -634,6 +645,25 @@ class BaseLockBackend(SanitizedLookups, ABC):
 
     async def _in_thread(self, fn: Callable[..., T], *args: Any) -> T:
         return await sync_to_async(fn, thread_sensitive=True)(*args)
+
+    # ------------------------------------------------------------------ owners
+    def _owner(self) -> str | None:
+        """The label a new lock stores: this caller's, or ``None`` when the alias
+        does not record owners (``OPTIONS["RECORD_OWNER"] = False``)."""
+        return owner_label() if self.record_owner else None
+
+    def queue_stats(self, keys: list[str]) -> dict[str, QueueStats]:
+        """The live waiters queued on each of ``keys`` (storage keys as listed by
+        ``list_locks``), for the inspector: one request for them all where the store
+        allows. Keys nobody waits for are absent; a backend without queues (or with
+        ``WAKE_UPS`` off) answers ``{}`` without I/O."""
+        if not keys or self.wake_ups is None:
+            return {}
+        return self._queue_stats(list(keys))
+
+    def _queue_stats(self, keys: list[str]) -> dict[str, QueueStats]:
+        """Storage I/O of :meth:`queue_stats` (backends with queues)."""
+        return {}
 
     # ------------------------------------------------------------ shared checks
     def _storable(self, key: str) -> str:

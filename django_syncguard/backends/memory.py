@@ -11,6 +11,7 @@ to move time without sleeping. The clock is the time authority (``"client"``).
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import threading
 from collections.abc import Mapping
@@ -27,6 +28,7 @@ from ..fence_floors import IdleCounter, next_fence
 from ..fencing import FENCE_MAX, fence_overflow_error, format_fence
 from ..keys import generate_lock_id
 from ..liveness import Clock, is_live, system_clock_ms
+from ..owners import QueueStats
 from ..results import AcquireResult, ExtendResult, LockPage, LockRecord, ReleaseResult
 from ..waiting import Queue, WaitTicket, WakeUps, queue_admits, queue_head
 from .base import BaseLockBackend, BatchedCleanup
@@ -42,6 +44,8 @@ class _Store:
     floor: int = 0  # the fence floor (fence_floors.py)
     queues: dict[str, Queue] = field(default_factory=dict)  # key -> its waiters
     arrivals: int = 0  # numbers queue entries in arrival order
+    # key -> ticket -> (its arrival number, when that place was queued, ms)
+    since: dict[str, dict[str, tuple[int, int]]] = field(default_factory=dict)
     wake_ups: WakeUps = field(default_factory=lambda: WakeUps("memory"))
 
 
@@ -100,6 +104,7 @@ class MemoryBackend(BatchedCleanup, BaseLockBackend):
             self._store.acquired.clear()
             self._store.floor = 0
             self._store.queues.clear()
+            self._store.since.clear()
 
     def _make_wake_ups(self) -> WakeUps:
         # Every release of this store happens in this process: waiters sleep on an
@@ -130,6 +135,7 @@ class MemoryBackend(BatchedCleanup, BaseLockBackend):
                 expires_at_ms=now + ttl_ms,
                 acquired_at_ms=now,
                 fence=format_fence(fence),
+                owner=self._owner(),
             )
             store.fences[key] = fence
             store.acquired[key] = now
@@ -153,8 +159,17 @@ class MemoryBackend(BatchedCleanup, BaseLockBackend):
         queue = store.queues.setdefault(key, {})
         store.arrivals += 1
         take, position = queue_admits(queue, now, free=free, ticket=ticket, arrival=store.arrivals)
+        # When each place still queued was handed out, for the inspector's oldest wait: a
+        # renewal keeps it, a ticket that lapsed and came back (a new arrival) starts again.
+        since = store.since.get(key, {})
+        placed = {tid: since.get(tid, (0, now)) for tid in queue}
+        store.since[key] = {
+            tid: placed[tid] if placed[tid][0] == arrival else (arrival, now)
+            for tid, (arrival, _) in queue.items()
+        }
         if not queue:
             del store.queues[key]
+            del store.since[key]
         return take, position
 
     def _wake_next(self, key: str, now: int) -> None:
@@ -163,6 +178,7 @@ class MemoryBackend(BatchedCleanup, BaseLockBackend):
         head = queue_head(queue, now) if queue is not None else None
         if queue is not None and head is None:
             del self._store.queues[key]
+            self._store.since.pop(key, None)
         if head is not None:
             self._store.wake_ups.deliver(key, head)
 
@@ -173,11 +189,26 @@ class MemoryBackend(BatchedCleanup, BaseLockBackend):
                 return
             if not queue:
                 del self._store.queues[key]
+                self._store.since.pop(key, None)
                 return
             now = self.clock()
             current = self._store.locks.get(key)
             if current is None or not is_live(current.expires_at_ms, now, TIME_TOLERANCE_MS):
                 self._wake_next(key, now)
+
+    def _queue_stats(self, keys: list[str]) -> dict[str, QueueStats]:
+        with self._store.mutex:
+            now = self.clock()
+            stats = {}
+            for key in keys:
+                queue = self._store.queues.get(key, {})
+                since = self._store.since.get(key, {})
+                live = [
+                    since.get(tid, (0, now))[1] for tid, (_, until) in queue.items() if until > now
+                ]
+                if live:
+                    stats[key] = QueueStats(len(live), min(live))
+            return stats
 
     def _owned(self, lock_id: str, now: int) -> tuple[LockRecord | None, str]:
         """The live record ``lock_id`` names, or ``None`` and why. Caller holds the mutex."""
@@ -208,13 +239,7 @@ class MemoryBackend(BatchedCleanup, BaseLockBackend):
             if record is None:
                 return ExtendResult(ok=False, reason=reason)  # type: ignore[arg-type]
             check_cancel(cancel, {"lock_id": lock_id})
-            renewed = LockRecord(
-                key=record.key,
-                lock_id=lock_id,
-                expires_at_ms=now + ttl_ms,
-                acquired_at_ms=record.acquired_at_ms,
-                fence=record.fence,
-            )
+            renewed = dataclasses.replace(record, expires_at_ms=now + ttl_ms)
             store.locks[record.key] = renewed
             return ExtendResult(ok=True, expires_at_ms=renewed.expires_at_ms)
 

@@ -18,6 +18,7 @@ from ...fence_floors import IdleCounter
 from ...fencing import fence_overflow_error, format_fence
 from ...keys import derived, fence_key_of, generate_lock_id, make_storage_key
 from ...orphans import note_sent
+from ...owners import QueueStats
 from ...results import (
     AcquireResult,
     ExtendResult,
@@ -204,6 +205,7 @@ class DatabaseBackend(BatchedCleanup, BaseLockBackend):
             check_cancelled,
             ticket,
             clock=self.fence_mode == "clock",
+            owner=self._owner(),
         )
         if status == FENCE_OVERFLOW:
             raise fence_overflow_error(key)
@@ -254,6 +256,17 @@ class DatabaseBackend(BatchedCleanup, BaseLockBackend):
         more = len(rows) > limit
         return LockPage(records, rows[limit - 1][0] if more else None, now)
 
+    def _queue_stats(self, keys: list[str]) -> dict[str, QueueStats]:
+        by_storage = {self.storage_key(key): key for key in keys}
+        rows = self.ops.queue_stats(list(by_storage))
+        return {
+            by_storage[str(storage_key)]: QueueStats(
+                int(count), None if since is None else int(since)
+            )
+            for storage_key, count, since in rows
+            if str(storage_key) in by_storage
+        }
+
     def _count_expired(self) -> int:
         return self.ops.count_expired(self._cleanup_cutoff(self.now_ms()))
 
@@ -298,13 +311,14 @@ class DatabaseBackend(BatchedCleanup, BaseLockBackend):
 
 
 def _record(row: Row) -> LockRecord:
-    storage_key, lock_id, expires, acquired, fence, user_key = row
+    storage_key, lock_id, expires, acquired, fence, user_key, owner = row
     return LockRecord(
         key=user_key if user_key is not None else storage_key,
         lock_id=lock_id,
         expires_at_ms=int(expires),
         acquired_at_ms=int(acquired),
         fence=fence,
+        owner=owner,
     )
 
 

@@ -40,7 +40,7 @@ LOCKED, ACQUIRED, FENCE_OVERFLOW = 0, 1, 2
 #: when the status is LOCKED and a ticket was queued, else None.
 AcquireReply: TypeAlias = tuple[int, Any, Any, Any]
 
-LOCK_COLUMNS = "key, lock_id, expires_at_ms, acquired_at_ms, fence, user_key"
+LOCK_COLUMNS = "key, lock_id, expires_at_ms, acquired_at_ms, fence, user_key, owner"
 
 # Housekeeping (admin inspector, syncguard_cleanup), the same SQL on every vendor.
 # One page of live locks in key order (keyset pagination on the primary key index, so
@@ -187,6 +187,7 @@ class DatabaseOperations(ABC):
         ticket: WaitTicket | None = None,
         *,
         clock: bool,
+        owner: str | None = None,
     ) -> AcquireReply:
         """Take the lock if no live one holds it and no live waiter is ahead of
         ``ticket`` (see ``AcquireReply`` and :mod:`django_syncguard.waiting`); queue the
@@ -194,7 +195,8 @@ class DatabaseOperations(ABC):
         a vendor calls it where it can still back out without writing. The new fence
         is ``fence_floors.next_fence`` of the key's counter, the floor and, with
         ``clock`` (clock mode), the time authority's clock, all read in the acquire's
-        atomic step; the counter is written with the acquisition's time."""
+        atomic step; the counter is written with the acquisition's time. ``owner``
+        (the holder's label, or None) is stored with the lock."""
 
     @abstractmethod
     def release(self, lock_id: str) -> tuple[bool, bool]:
@@ -240,6 +242,11 @@ class DatabaseOperations(ABC):
         size = len(prefix)
         params = [after, live_after, size, prefix, size, prefix, limit]
         return self.run(lambda c: fetch_all(c, LIST_PAGE, params))
+
+    def queue_stats(self, storage_keys: list[str]) -> list[Row]:
+        """``(storage key, live waiters, earliest queued_at_ms or None)`` of each of
+        ``storage_keys`` with a live waiter, in one statement (the inspector's page)."""
+        return []
 
     def count_expired(self, cutoff: int) -> int:
         """How many records expired before ``cutoff``."""

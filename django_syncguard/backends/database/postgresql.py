@@ -44,11 +44,11 @@ NOW = f"SELECT {NOW_MS}"
 #: FLOOR_KEY as an SQL literal, as the functions have it.
 FLOOR = PLACEHOLDERS["floor_key"]
 
-# Functions installed by migrations 0002, 0005 and 0006 (their SQL: sql/0002/,
-# sql/0005/, sql/0006/). Acquire's status is LOCKED, ACQUIRED or FENCE_OVERFLOW (with
+# Functions installed by migrations 0002, 0005, 0006 and 0007 (their SQL: sql/0002/,
+# sql/0005/, sql/0006/, sql/0007/). Acquire's status is LOCKED, ACQUIRED or FENCE_OVERFLOW (with
 # the ticket's queue position); release's and extend's: 1 = done, 2 = expired, 0 = not
 # found.
-ACQUIRE = "SELECT * FROM syncguard_acquire(%s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
+ACQUIRE = "SELECT * FROM syncguard_acquire(%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
 RELEASE = "SELECT syncguard_release(%s, %s)"
 EXTEND = "SELECT * FROM syncguard_extend(%s, %s, %s)"
 WITHDRAW = "SELECT syncguard_withdraw(%s, %s, %s)"
@@ -66,6 +66,14 @@ W012_HINT = (
     "Point OPTIONS['LISTEN_DATABASE'] at a DATABASES alias that reaches the same "
     "database directly or through session pooling, or set OPTIONS['WAKE_UPS'] = False."
 )
+
+# The inspector's waiter counts: live tickets per key and the first queueing time, for
+# a page of keys at once (the primary key (key, ticket_id) serves the key filter).
+QUEUE_STATS = f"""
+SELECT key, count(*), min(queued_at_ms) FROM syncguard_waiters
+WHERE key = ANY(%s) AND live_until_ms > {NOW_MS}
+GROUP BY key
+"""
 
 IS_LOCKED = f"""
 SELECT EXISTS (
@@ -262,6 +270,7 @@ class PostgresOperations(DatabaseOperations):
         ticket: WaitTicket | None = None,
         *,
         clock: bool,
+        owner: str | None = None,
     ) -> AcquireReply:
         params = [
             keys.storage_key,
@@ -274,6 +283,7 @@ class PostgresOperations(DatabaseOperations):
             None if ticket is None else ticket.id,
             None if ticket is None else ticket.patience_ms,
             clock,
+            owner,
         ]
         # One statement: ``cancel`` was checked before dispatch. Checking it after
         # the commit would raise while holding a lock the caller never learns of.
@@ -321,6 +331,9 @@ class PostgresOperations(DatabaseOperations):
             sql = IS_LOCKED_CLEANUP
             params = [storage_key, sweep_guard_ms, storage_key, TIME_TOLERANCE_MS]
         return bool(self.run(lambda c: fetch_value(c, sql, params)))
+
+    def queue_stats(self, storage_keys: list[str]) -> list[Row]:
+        return self.run(lambda c: fetch_all(c, QUEUE_STATS, [list(storage_keys)]))
 
     def lookup(self, column: str, value: str) -> Row | None:
         sql = LOOKUP.format(column=column)

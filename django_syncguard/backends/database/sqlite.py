@@ -69,10 +69,10 @@ SELECT_FENCES = (
     "(SELECT fence FROM syncguard_fence_counters WHERE fence_key = %s)"
 )
 UPSERT_LOCK = (
-    f"INSERT INTO syncguard_locks ({LOCK_COLUMNS}) VALUES (%s, %s, %s, %s, %s, %s) "
+    f"INSERT INTO syncguard_locks ({LOCK_COLUMNS}) VALUES (%s, %s, %s, %s, %s, %s, %s) "
     "ON CONFLICT (key) DO UPDATE SET lock_id = excluded.lock_id, "
     "expires_at_ms = excluded.expires_at_ms, acquired_at_ms = excluded.acquired_at_ms, "
-    "fence = excluded.fence, user_key = excluded.user_key"
+    "fence = excluded.fence, user_key = excluded.user_key, owner = excluded.owner"
 )
 UPSERT_FENCE = (
     "INSERT INTO syncguard_fence_counters (fence_key, fence, acquired_at_ms) "
@@ -90,13 +90,21 @@ QUEUE_SCHEMA = "syncguard_queue"
 QUEUE = f"{QUEUE_SCHEMA}.syncguard_waiters"
 CREATE_QUEUE = (
     f"CREATE TABLE IF NOT EXISTS {QUEUE} (key text NOT NULL, ticket_id varchar(22) NOT NULL, "
-    "arrival bigint NOT NULL, live_until_ms bigint NOT NULL, PRIMARY KEY (key, ticket_id)) "
-    "WITHOUT ROWID"
+    "arrival bigint NOT NULL, live_until_ms bigint NOT NULL, queued_at_ms bigint, "
+    "PRIMARY KEY (key, ticket_id)) WITHOUT ROWID"
 )
+# A queue file made before queued_at_ms (the inspector's oldest wait) gets the column
+# when a connection attaches it; NULL in the rows written before, or by older code.
+QUEUE_COLUMNS = f"PRAGMA {QUEUE_SCHEMA}.table_info(syncguard_waiters)"
+ADD_QUEUED_AT = f"ALTER TABLE {QUEUE} ADD COLUMN queued_at_ms bigint"
 SELECT_QUEUE = f"SELECT ticket_id, arrival, live_until_ms FROM {QUEUE} WHERE key = %s"
+# A renewal keeps the ticket's queueing time; a new arrival number (the ticket came
+# back after its place lapsed: it goes to the end) starts it again.
 UPSERT_TICKET = (
-    f"INSERT INTO {QUEUE} (key, ticket_id, arrival, live_until_ms) "
-    "VALUES (%s, %s, %s, %s) ON CONFLICT (key, ticket_id) DO UPDATE SET "
+    f"INSERT INTO {QUEUE} (key, ticket_id, arrival, live_until_ms, queued_at_ms) "
+    "VALUES (%s, %s, %s, %s, %s) ON CONFLICT (key, ticket_id) DO UPDATE SET "
+    "queued_at_ms = CASE WHEN arrival = excluded.arrival THEN queued_at_ms "
+    "ELSE excluded.queued_at_ms END, "
     "arrival = excluded.arrival, live_until_ms = excluded.live_until_ms"
 )
 DELETE_TICKET = f"DELETE FROM {QUEUE} WHERE key = %s AND ticket_id = %s"
@@ -266,9 +274,10 @@ class SqliteOperations(DatabaseOperations):
         ticket: WaitTicket | None = None,
         *,
         clock: bool,
+        owner: str | None = None,
     ) -> AcquireReply:
         return self.run(
-            lambda c: self._acquire(c, keys, lock_id, ttl_ms, check_cancel, ticket, clock)
+            lambda c: self._acquire(c, keys, lock_id, ttl_ms, check_cancel, ticket, clock, owner)
         )
 
     def _acquire(
@@ -280,6 +289,7 @@ class SqliteOperations(DatabaseOperations):
         check_cancel: Callable[[], None],
         ticket: WaitTicket | None,
         clock: bool,
+        owner: str | None = None,
     ) -> AcquireReply:
         """Acquire in one transaction that holds the database lock from its start, so
         no other writer runs between the reads and the writes. A ticket for a held key,
@@ -291,7 +301,7 @@ class SqliteOperations(DatabaseOperations):
             return LOCKED, None, None, self._enqueue(cursor, keys.storage_key, ticket)
         try:
             reply, wrote = self._read_then_write(
-                cursor, keys, lock_id, ttl_ms, check_cancel, ticket, clock
+                cursor, keys, lock_id, ttl_ms, check_cancel, ticket, clock, owner
             )
             cursor.execute("COMMIT" if wrote else "ROLLBACK")
             return reply
@@ -357,6 +367,7 @@ class SqliteOperations(DatabaseOperations):
         check_cancel: Callable[[], None],
         ticket: WaitTicket | None,
         clock: bool,
+        owner: str | None = None,
     ) -> tuple[AcquireReply, bool]:
         """The acquire's reads and writes inside its transaction; the reply, and whether
         anything was written (to commit). The fence is ``next_fence`` of the counter
@@ -368,17 +379,25 @@ class SqliteOperations(DatabaseOperations):
         )
         if not take:
             check_cancel()  # before the queue's writes
-            wrote = _write_queue(cursor, keys.storage_key, before, queue)
+            wrote = _write_queue(cursor, keys.storage_key, before, queue, now)
             return (LOCKED, None, None, position), wrote
         last, floor = fetch_one(cursor, SELECT_FENCES, [keys.fence_key, FLOOR_KEY])
         fence = next_fence(int(last or 0), int(floor or 0), now if clock else None)
         if fence > FENCE_MAX:
             return (FENCE_OVERFLOW, None, None, None), False
         check_cancel()  # after the reads, before the writes
-        _write_queue(cursor, keys.storage_key, before, queue)
+        _write_queue(cursor, keys.storage_key, before, queue, now)
         cursor.execute(
             UPSERT_LOCK,
-            [keys.storage_key, lock_id, now + ttl_ms, now, format_fence(fence), keys.user_key],
+            [
+                keys.storage_key,
+                lock_id,
+                now + ttl_ms,
+                now,
+                format_fence(fence),
+                keys.user_key,
+                owner,
+            ],
         )
         cursor.execute(UPSERT_FENCE, [keys.fence_key, fence, now])
         return (ACQUIRED, fence, now + ttl_ms, None), True
@@ -394,7 +413,7 @@ class SqliteOperations(DatabaseOperations):
             _, position, before, queue = _queue_rule(
                 cursor, storage_key, now, free=False, ticket=ticket
             )
-            _write_queue(cursor, storage_key, before, queue)
+            _write_queue(cursor, storage_key, before, queue, now)
             return position
 
     def prepare_connection(self, raw: Any) -> None:
@@ -408,6 +427,10 @@ class SqliteOperations(DatabaseOperations):
             raw.execute(f"PRAGMA {QUEUE_SCHEMA}.journal_mode = WAL")
         raw.execute(f"PRAGMA {QUEUE_SCHEMA}.synchronous = OFF")
         raw.execute(CREATE_QUEUE)
+        if not any(row[1] == "queued_at_ms" for row in raw.execute(QUEUE_COLUMNS).fetchall()):
+            # Another connection may add it first: then the column is there all the same.
+            with suppress(OperationalError, sqlite3.OperationalError):
+                raw.execute(ADD_QUEUED_AT)
 
     def _name(self) -> str:
         return str(connections[self.database].settings_dict["NAME"])
@@ -478,6 +501,17 @@ class SqliteOperations(DatabaseOperations):
             return is_live(int(expires), now, TIME_TOLERANCE_MS)
 
         return self.run(is_locked)
+
+    def queue_stats(self, storage_keys: list[str]) -> list[Row]:
+        if not self.queues:
+            return []
+        marks = ", ".join(["%s"] * len(storage_keys))
+        sql = (
+            f"SELECT key, count(*), min(queued_at_ms) FROM {QUEUE} WHERE key IN ({marks}) "
+            "AND live_until_ms > %s GROUP BY key"
+        )
+        params = [*storage_keys, self.clock()]
+        return self.run(lambda c: fetch_all(c, sql, params))
 
     def lookup(self, column: str, value: str) -> Row | None:
         now = self.clock()
@@ -595,14 +629,15 @@ def _queue_rule(
     return take, position, before, queue
 
 
-def _write_queue(cursor: Any, storage_key: str, before: Queue, after: Queue) -> bool:
-    """Store what the queue rule changed; whether it changed anything."""
+def _write_queue(cursor: Any, storage_key: str, before: Queue, after: Queue, now: int) -> bool:
+    """Store what the queue rule changed (a new place queued at ``now``); whether it
+    changed anything."""
     gone = [ticket for ticket in before if ticket not in after]
     changed = [(t, entry) for t, entry in after.items() if before.get(t) != entry]
     for ticket in gone:
         cursor.execute(DELETE_TICKET, [storage_key, ticket])
     for ticket, (arrival, until) in changed:
-        cursor.execute(UPSERT_TICKET, [storage_key, ticket, arrival, until])
+        cursor.execute(UPSERT_TICKET, [storage_key, ticket, arrival, until, now])
     return bool(gone or changed)
 
 

@@ -40,6 +40,7 @@ from ...fencing import FENCE_MAX, fence_overflow_error, format_fence
 from ...keys import generate_lock_id
 from ...liveness import is_live
 from ...orphans import note_sent
+from ...owners import QueueStats
 from ...results import AcquireResult, ExtendResult, LockPage, LockRecord, ReleaseResult
 from ...waiting import CHECK_IN_MS, WaitTicket, WakeUps, queue_admits, queue_head
 from ..base import BaseLockBackend, BatchedCleanup, mapping_option
@@ -62,6 +63,7 @@ from .documents import (
     FLOOR_ID,
     KEY,
     LOCK_ID,
+    OWNER,
     PURGE_AT,
     counter_id,
     document_id,
@@ -75,6 +77,7 @@ from .documents import (
     queue_fields,
     queue_of,
     queue_update,
+    queued_since,
     server_ms,
     vacated,
 )
@@ -326,7 +329,7 @@ class FirestoreBackend(BatchedCleanup, BaseLockBackend):
                 if ticket is None or not _renewal_due(before, queue[ticket.id], ticket, now):
                     return _Plan(AcquireResult.locked(position))
                 check_cancel(cancel, {"key": key})  # after reads, before writes
-                fields = queue_update(data, queue, arrivals)
+                fields = queue_update(data, queue, arrivals, now_ms=now)
                 batch.update(lock_ref, fields, **self._unchanged(current))
                 return _Plan(AcquireResult.locked(position), write=True)
         elif not free:
@@ -340,9 +343,9 @@ class FirestoreBackend(BatchedCleanup, BaseLockBackend):
         expires = now + ttl_ms
         waiting_until = last_until(queue)
         lock = {
-            **lock_fields(lock_id, key, format_fence(fence), now, expires),
+            **lock_fields(lock_id, key, format_fence(fence), now, expires, self._owner(), data),
             PURGE_AT: purge_at(max(expires, waiting_until or 0)),
-            **queue_fields(data, queue, arrivals),
+            **queue_fields(data, queue, arrivals, now),
         }
         # The floor is read, not guarded: it only rises, and a raise that lands after
         # our read is followed by the deletes it protects, each of which either fails
@@ -685,6 +688,7 @@ class FirestoreBackend(BatchedCleanup, BaseLockBackend):
             expires_at_ms=int(data[EXPIRES_AT_MS]),
             acquired_at_ms=int(data[ACQUIRED_AT_MS]),
             fence=data[FENCE],
+            owner=data.get(OWNER),
         )
 
     def _live_record(self, snap: Any) -> LockRecord | None:
@@ -708,6 +712,21 @@ class FirestoreBackend(BatchedCleanup, BaseLockBackend):
     async def _alookup_by_id(self, lock_id: str, cancel: CancelToken | None) -> LockRecord | None:
         query = self._by_lock_id(lock_id, self.aclient())
         return self._one_live(await self._acall(_collect(query.stream())), lock_id)
+
+    def _queue_stats(self, keys: list[str]) -> dict[str, QueueStats]:
+        # The page's lock documents in one get_all.
+        by_path = {self._refs(key)[0].path: key for key in keys}
+        refs = [self._refs(key)[0] for key in keys]
+        snaps = self._call(lambda: list(self.client.get_all(refs)))
+        stats: dict[str, QueueStats] = {}
+        for snap in snaps:
+            if not snap.exists:
+                continue
+            live, since = queued_since(fields_of(snap), server_ms(snap.read_time))
+            key = by_path.get(snap.reference.path)
+            if live and key is not None:
+                stats[key] = QueueStats(live, since)
+        return stats
 
     # ---------------------------------------------------------- housekeeping
     def _list_locks(self, prefix: str, cursor: str | None, limit: int) -> LockPage:

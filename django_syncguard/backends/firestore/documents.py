@@ -6,10 +6,14 @@ A key's **lock document** (id: :func:`document_id`, in ``OPTIONS["COLLECTION"]``
     the lock (Firestore's clock, whole Unix ms); a *waiter-only* document has no
     ``lockId``, ``fence`` or ``acquiredAtMs``, and ``expiresAtMs`` = when its last
     waiter lapses;
+``owner``
+    the holder's label (:mod:`django_syncguard.owners`), absent when not recorded;
 ``purgeAt``
     when a TTL policy may delete the document (past its lock and its waiters);
 ``waiters``
-    map ``ticket id -> {"arrival": n, "liveUntilMs": ms}``;
+    map ``ticket id -> {"arrival": n, "liveUntilMs": ms, "queuedAtMs": ms}``
+    (``queuedAtMs``: when the place was handed out, for the inspector's oldest wait;
+    absent in places written by a version before it);
 ``arrivals``
     the last arrival number handed out; both queue fields are absent when nobody waits.
 
@@ -44,6 +48,7 @@ LOCK_ID = "lockId"
 KEY = "key"
 FENCE = "fence"
 ACQUIRED_AT_MS = "acquiredAtMs"
+OWNER = "owner"
 EXPIRES_AT_MS = "expiresAtMs"
 PURGE_AT = "purgeAt"
 #: Document fields of a key's queue.
@@ -129,12 +134,33 @@ def queue_of(data: Mapping[str, Any]) -> Queue:
     }
 
 
-def queue_value(queue: Queue) -> dict[str, dict[str, int]]:
-    """``queue`` as the value of the ``waiters`` field."""
-    return {
-        ticket_id: {"arrival": arrival, "liveUntilMs": until}
-        for ticket_id, (arrival, until) in queue.items()
-    }
+def queue_value(
+    queue: Queue, data: Mapping[str, Any] | None = None, now_ms: int | None = None
+) -> dict[str, dict[str, int]]:
+    """``queue`` as the value of the ``waiters`` field: a place that ``data`` already
+    had (same arrival number) keeps its ``queuedAtMs``; a new one is queued at
+    ``now_ms`` (when given)."""
+    old = (data or {}).get(WAITERS) or {}
+    value = {}
+    for ticket_id, (arrival, until) in queue.items():
+        entry = {"arrival": arrival, "liveUntilMs": until}
+        kept = old.get(ticket_id)
+        if isinstance(kept, Mapping) and kept.get("arrival") == arrival:
+            if "queuedAtMs" in kept:
+                entry["queuedAtMs"] = int(kept["queuedAtMs"])
+        elif now_ms is not None:
+            entry["queuedAtMs"] = now_ms
+        value[ticket_id] = entry
+    return value
+
+
+def queued_since(data: Mapping[str, Any], now_ms: int) -> tuple[int, int | None]:
+    """The live places of a lock document at ``now_ms``, and the earliest
+    ``queuedAtMs`` among them (None: none recorded)."""
+    raw = data.get(WAITERS) or {}
+    live = [e for e in raw.values() if isinstance(e, Mapping) and int(e["liveUntilMs"]) > now_ms]
+    times = [int(e["queuedAtMs"]) for e in live if "queuedAtMs" in e]
+    return len(live), min(times, default=None)
 
 
 def last_until(queue: Queue) -> int | None:
@@ -156,23 +182,38 @@ def has_waiters(snap: Any) -> bool:
 
 # ------------------------------------------------------------------ writes
 def lock_fields(
-    lock_id: str, key: str, fence: str, acquired_at_ms: int, expires_at_ms: int
+    lock_id: str,
+    key: str,
+    fence: str,
+    acquired_at_ms: int,
+    expires_at_ms: int,
+    owner: str | None = None,
+    data: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The lock fields of a lock document (without its queue and ``purgeAt``)."""
-    return {
+    """The lock fields of a lock document (without its queue and ``purgeAt``); with
+    no ``owner``, the deletion of the label a previous holder left in ``data`` (the
+    write is an update: a field it does not name stays)."""
+    fields: dict[str, Any] = {
         LOCK_ID: lock_id,
         EXPIRES_AT_MS: expires_at_ms,
         ACQUIRED_AT_MS: acquired_at_ms,
         KEY: key,
         FENCE: fence,
     }
+    if owner is not None:
+        fields[OWNER] = owner
+    elif data and OWNER in data:
+        fields[OWNER] = _firestore().DELETE_FIELD
+    return fields
 
 
-def queue_fields(data: Mapping[str, Any], queue: Queue, arrivals: int) -> dict[str, Any]:
-    """The queue fields of a write: ``queue`` and the arrival counter, or, once
-    nobody waits, the deletion of the fields ``data`` has."""
+def queue_fields(
+    data: Mapping[str, Any], queue: Queue, arrivals: int, now_ms: int | None = None
+) -> dict[str, Any]:
+    """The queue fields of a write: ``queue`` (new places queued at ``now_ms``) and the
+    arrival counter, or, once nobody waits, the deletion of the fields ``data`` has."""
     if queue:
-        return {WAITERS: queue_value(queue), ARRIVALS: arrivals}
+        return {WAITERS: queue_value(queue, data, now_ms), ARRIVALS: arrivals}
     return {name: _firestore().DELETE_FIELD for name in (WAITERS, ARRIVALS) if name in data}
 
 
@@ -184,18 +225,24 @@ def vacated(waiting_until: int) -> dict[str, Any]:
         LOCK_ID: delete,
         FENCE: delete,
         ACQUIRED_AT_MS: delete,
+        OWNER: delete,
         EXPIRES_AT_MS: waiting_until,
         PURGE_AT: purge_at(waiting_until),
     }
 
 
 def queue_update(
-    data: Mapping[str, Any], queue: Queue, arrivals: int, *, vacate: bool = False
+    data: Mapping[str, Any],
+    queue: Queue,
+    arrivals: int,
+    *,
+    vacate: bool = False,
+    now_ms: int | None = None,
 ) -> dict[str, Any]:
     """The update of a document that keeps waiters (``queue`` is not empty): the queue
     fields, and when the document may be purged. A document without a lock (or whose
     lock this write releases: ``vacate``) expires with its last waiter."""
-    fields = queue_fields(data, queue, arrivals)
+    fields = queue_fields(data, queue, arrivals, now_ms)
     waiting_until = last_until(queue) or 0
     if vacate:
         return {**fields, **vacated(waiting_until)}

@@ -66,6 +66,7 @@ from ...fence_floors import FenceMode, IdleCounter
 from ...fencing import FENCE_MAX, fence_overflow_error, format_fence
 from ...keys import derived, generate_lock_id, make_storage_key
 from ...orphans import note_sent
+from ...owners import QueueStats
 from ...results import AcquireResult, ExtendResult, LockPage, LockRecord, ReleaseResult
 from ...waiting import WaitTicket, WakeUps
 from ..base import BaseLockBackend, option_ms
@@ -373,6 +374,7 @@ class RedisBackend(BaseLockBackend):
             FENCE_MAX,
             self._user_key_arg(key, lock_key),
             self.fence_mode,
+            self._owner() or "",
         ]
         if ticket is not None:  # without one, the arguments are those of a plain acquire
             args += [ticket.id, ticket.patience_ms]
@@ -552,8 +554,8 @@ class RedisBackend(BaseLockBackend):
     def _record_by_key(self, reply: list[Any], lock_key: str) -> LockRecord | None:
         if not reply:
             return None
-        lock_id, expires, acquired, fence, user_key = reply
-        return self._record(lock_key, lock_id, expires, acquired, fence, user_key)
+        lock_id, expires, acquired, fence, user_key, owner = reply
+        return self._record(lock_key, lock_id, expires, acquired, fence, user_key, owner)
 
     def _record_by_id(self, reply: list[Any]) -> LockRecord | None:
         if not reply:
@@ -568,6 +570,7 @@ class RedisBackend(BaseLockBackend):
         acquired: bytes,
         fence: bytes,
         user_key: bytes,
+        owner: bytes,
     ) -> LockRecord:
         return LockRecord(
             key=self._user_key(lock_key, user_key),
@@ -575,6 +578,8 @@ class RedisBackend(BaseLockBackend):
             expires_at_ms=int(expires),
             acquired_at_ms=int(acquired),
             fence=format_fence(int(fence)),
+            # "": not recorded (RECORD_OWNER off, or a lock taken before labels).
+            owner=owner.decode("utf-8", "replace") if owner else None,
         )
 
     def _lookup_by_key(self, key: str, cancel: CancelToken | None) -> LockRecord | None:
@@ -721,11 +726,23 @@ class RedisBackend(BaseLockBackend):
                 for reply in self._per_slot("list_live", keys, lambda _: [TIME_TOLERANCE_MS]):
                     now = max(now or 0, int(reply[0]))
                     rows = reply[1:]
-                    for j in range(0, len(rows), 6):
-                        records.append(self._record(*rows[j : j + 6]))
+                    for j in range(0, len(rows), 7):
+                        records.append(self._record(*rows[j : j + 7]))
             if state is None or len(records) >= limit:
                 break
         return LockPage(tuple(records), self._state_text(state), now or self.now_ms())
+
+    def _queue_stats(self, keys: list[str]) -> dict[str, QueueStats]:
+        # One script per slot (one for all on a single server), pipelined per node.
+        by_hash = {self.lock_key(key): key for key in keys}
+        stats: dict[str, QueueStats] = {}
+        for reply in self._per_slot("queue_stats", list(by_hash), lambda _: []):
+            for j in range(0, len(reply), 3):
+                name, count, oldest = reply[j : j + 3]
+                key = by_hash.get(name.decode() if isinstance(name, bytes) else str(name))
+                if key is not None:
+                    stats[key] = QueueStats(int(count), int(oldest) if oldest else None)
+        return stats
 
     def _expired_in_namespace(self, batch_size: int, dry_run: bool) -> Iterator[int]:
         state: tuple[int, int] | None = (0, 0)

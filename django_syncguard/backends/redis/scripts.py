@@ -19,11 +19,14 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 # Fragment: the queue helpers (functions of the hash name they are given; they read
 # no KEYS or ARGV themselves). The queue of waiters lives in the lock hash itself
 # (same key, same slot): fields 'w:<ticket id>' = '<arrival> <live until ms>',
-# 'q' = how many there are (read with the lock fields, so an empty queue costs the
-# hot path nothing) and 'n' = the last arrival number handed out. 'q' and 'n' go
-# when the queue empties. These helpers read the whole hash (HGETALL): only when 'q'
-# says somebody waits. Scripts define them inside the branch that needs them, so the
-# path without waiters does not even create their closures.
+# 's:<ticket id>' = when that ticket was queued (ms; for the inspector's oldest wait,
+# written once, beside 'w:'; a separate field so that scripts of versions before it,
+# which parse 'w:' values, keep working beside it), 'q' = how many there are (read
+# with the lock fields, so an empty queue costs the hot path nothing) and 'n' = the
+# last arrival number handed out. 'q' and 'n' go when the queue empties. These
+# helpers read the whole hash (HGETALL): only when 'q' says somebody waits. Scripts
+# define them inside the branch that needs them, so the path without waiters does not
+# even create their closures.
 _QUEUE = """
 local function hdel_all(h, names)
   for j = 1, #names, 500 do
@@ -50,6 +53,7 @@ local function queue_load(h, now)
         end
       else
         stale[#stale + 1] = name
+        stale[#stale + 1] = 's:' .. string.sub(name, 3)
       end
     end
   end
@@ -81,8 +85,8 @@ end
 
 #: KEYS: [1] lock hash, [2] index key of the new lock id, [3] the fence floor.
 #: ARGV: [1] lock id, [2] ttl ms, [3] tolerance ms, [4] max fence, [5] user key (""
-#: when not hashed), [6] fence mode ("clock" or "counter"), and for a caller with a
-#: wait ticket: [7] ticket id, [8] patience ms.
+#: when not hashed), [6] fence mode ("clock" or "counter"), [7] owner label ("" when
+#: not recorded), and for a caller with a wait ticket: [8] ticket id, [9] patience ms.
 #: Returns {0} contention ({0, position} for a queued ticket), {2} fence overflow
 #: (nothing written), {1, fence, expires}.
 ACQUIRE = (
@@ -90,7 +94,7 @@ ACQUIRE = (
     + """
 local cur = redis.call('HMGET', KEYS[1], 'i', 'e', 'f', 'q')
 local free = not cur[1] or tonumber(cur[2]) <= now - tonumber(ARGV[3])
-local ticket = ARGV[7] or ''
+local ticket = ARGV[8] or ''
 if not free and ticket == '' then
   return {0}
 end
@@ -114,7 +118,7 @@ if waiting > 0 or not free then
   local live, count, head = queue_load(KEYS[1], now)
   if free and (head == nil or head == ticket) then
     if live[ticket] then
-      redis.call('HDEL', KEYS[1], 'w:' .. ticket)
+      redis.call('HDEL', KEYS[1], 'w:' .. ticket, 's:' .. ticket)
       count = count - 1
     end
     queue_store(KEYS[1], count, waiting)
@@ -126,8 +130,9 @@ if waiting > 0 or not free then
     if mine == nil then
       mine = redis.call('HINCRBY', KEYS[1], 'n', 1)
       count = count + 1
+      redis.call('HSET', KEYS[1], 's:' .. ticket, now)
     end
-    redis.call('HSET', KEYS[1], 'w:' .. ticket, mine .. ' ' .. (now + tonumber(ARGV[8])))
+    redis.call('HSET', KEYS[1], 'w:' .. ticket, mine .. ' ' .. (now + tonumber(ARGV[9])))
     queue_store(KEYS[1], count, waiting)
     local ahead = 0
     for _, arrival in pairs(live) do
@@ -139,11 +144,16 @@ if waiting > 0 or not free then
   end
 end
 local expires = now + tonumber(ARGV[2])
+local fields = {'f', fence, 'i', ARGV[1], 'e', expires, 'a', now}
 if ARGV[5] ~= '' then
-  redis.call('HSET', KEYS[1], 'f', fence, 'i', ARGV[1], 'e', expires, 'a', now, 'k', ARGV[5])
-else
-  redis.call('HSET', KEYS[1], 'f', fence, 'i', ARGV[1], 'e', expires, 'a', now)
+  fields[#fields + 1], fields[#fields + 2] = 'k', ARGV[5]
 end
+if ARGV[7] ~= '' then
+  fields[#fields + 1], fields[#fields + 2] = 'o', ARGV[7]
+elseif cur[1] then
+  redis.call('HDEL', KEYS[1], 'o')  -- taken over from an expired holder: not its label
+end
+redis.call('HSET', KEYS[1], unpack(fields))
 redis.call('SET', KEYS[2], KEYS[1], 'PX', tonumber(ARGV[2]) + tonumber(ARGV[3]))
 return {1, fence, expires}
 """
@@ -182,7 +192,7 @@ end
 RELEASE = (
     _RESOLVE
     + """
-redis.call('HDEL', lock, 'i', 'e', 'k')
+redis.call('HDEL', lock, 'i', 'e', 'k', 'o')
 redis.call('DEL', KEYS[1])
 local waiting = tonumber(cur[3]) or 0
 if waiting > 0 then
@@ -207,6 +217,7 @@ local waiting = tonumber(cur[3]) or 0
 if waiting == 0 or redis.call('HDEL', KEYS[1], 'w:' .. ARGV[1]) == 0 then
   return 0
 end
+redis.call('HDEL', KEYS[1], 's:' .. ARGV[1])
 if cur[1] and tonumber(cur[2]) > now - tonumber(ARGV[2]) then
   queue_store(KEYS[1], waiting - 1, waiting)
 else
@@ -244,27 +255,27 @@ if expires > now - tonumber(ARGV[1]) then
 end
 local guard = tonumber(ARGV[2])
 if guard > 0 and now - expires > guard then
-  redis.call('HDEL', KEYS[1], 'i', 'e', 'k')
+  redis.call('HDEL', KEYS[1], 'i', 'e', 'k', 'o')
 end
 return 0
 """
 )
 
 #: KEYS: [1] lock hash. ARGV: [1] tolerance ms.
-#: Returns {} or {i, e, a, f, k}.
+#: Returns {} or {i, e, a, f, k, o} ('' for a missing k or o).
 LOOKUP_BY_KEY = (
     _NOW
     + """
-local cur = redis.call('HMGET', KEYS[1], 'i', 'e', 'a', 'f', 'k')
+local cur = redis.call('HMGET', KEYS[1], 'i', 'e', 'a', 'f', 'k', 'o')
 if not cur[1] or tonumber(cur[2]) <= now - tonumber(ARGV[1]) then
   return {}
 end
-return {cur[1], cur[2], cur[3], cur[4], cur[5] or ''}
+return {cur[1], cur[2], cur[3], cur[4], cur[5] or '', cur[6] or ''}
 """
 )
 
 #: KEYS: [1] index key, on a cluster [2] the lock hash read from it (see _RESOLVE).
-#: ARGV: [1] lock id, [2] tolerance ms. Returns {} or {hash, i, e, a, f, k}.
+#: ARGV: [1] lock id, [2] tolerance ms. Returns {} or {hash, i, e, a, f, k, o}.
 LOOKUP_BY_ID = (
     _NOW
     + """
@@ -272,26 +283,64 @@ local lock = redis.call('GET', KEYS[1])
 if not lock or (KEYS[2] and lock ~= KEYS[2]) then
   return {}
 end
-local cur = redis.call('HMGET', lock, 'i', 'e', 'a', 'f', 'k')
+local cur = redis.call('HMGET', lock, 'i', 'e', 'a', 'f', 'k', 'o')
 if cur[1] ~= ARGV[1] or tonumber(cur[2]) <= now - tonumber(ARGV[2]) then
   return {}
 end
-return {lock, cur[1], cur[2], cur[3], cur[4], cur[5] or ''}
+return {lock, cur[1], cur[2], cur[3], cur[4], cur[5] or '', cur[6] or ''}
 """
 )
 
 #: KEYS: the lock hashes found by one SCAN. ARGV: [1] tolerance ms.
-#: Returns {now, name, i, e, a, f, k, name, i, ...} for the live locks among them.
+#: Returns {now, name, i, e, a, f, k, o, name, i, ...} for the live locks among them.
 LIST_LIVE = (
     _NOW
     + """
 local out = {now}
 for _, name in ipairs(KEYS) do
-  local cur = redis.call('HMGET', name, 'i', 'e', 'a', 'f', 'k')
+  local cur = redis.call('HMGET', name, 'i', 'e', 'a', 'f', 'k', 'o')
   if cur[1] and tonumber(cur[2]) > now - tonumber(ARGV[1]) then
     table.insert(out, name)
     for j = 1, 4 do table.insert(out, cur[j]) end
     table.insert(out, cur[5] or '')
+    table.insert(out, cur[6] or '')
+  end
+end
+return out
+"""
+)
+
+#: KEYS: lock hashes (the inspector's page). ARGV: none.
+#: Returns {name, live waiters, earliest 's:' of them ('' when none is recorded), ...}
+#: for the hashes with a live waiter. Read-only: stale places are skipped, not pruned;
+#: the queue is read (HGETALL) only where 'q' says somebody waits.
+QUEUE_STATS = (
+    _NOW
+    + """
+local out = {}
+for _, name in ipairs(KEYS) do
+  if (tonumber(redis.call('HGET', name, 'q')) or 0) > 0 then
+    local all = redis.call('HGETALL', name)
+    local fields = {}
+    for j = 1, #all, 2 do fields[all[j]] = all[j + 1] end
+    local count, oldest = 0, nil
+    for field, value in pairs(fields) do
+      if string.sub(field, 1, 2) == 'w:' then
+        local space = string.find(value, ' ', 1, true)
+        if tonumber(string.sub(value, space + 1)) > now then
+          count = count + 1
+          local since = tonumber(fields['s:' .. string.sub(field, 3)])
+          if since and (oldest == nil or since < oldest) then
+            oldest = since
+          end
+        end
+      end
+    end
+    if count > 0 then
+      table.insert(out, name)
+      table.insert(out, count)
+      table.insert(out, oldest and tostring(oldest) or '')
+    end
   end
 end
 return out
@@ -311,7 +360,7 @@ for _, name in ipairs(KEYS) do
   if cur[1] and tonumber(cur[2]) < now - tonumber(ARGV[1]) then
     n = n + 1
     if ARGV[2] ~= '1' then
-      redis.call('HDEL', name, 'i', 'e', 'k')
+      redis.call('HDEL', name, 'i', 'e', 'k', 'o')
     end
   end
 end
@@ -436,6 +485,7 @@ SCRIPTS = {
     "lookup_by_key": LOOKUP_BY_KEY,
     "lookup_by_id": LOOKUP_BY_ID,
     "list_live": LIST_LIVE,
+    "queue_stats": QUEUE_STATS,
     "delete_expired": DELETE_EXPIRED,
     "raise_floor": RAISE_FLOOR,
     "highest_fence": HIGHEST_FENCE,
