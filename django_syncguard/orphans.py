@@ -55,31 +55,36 @@ PAUSES_S = (0.05, 0.1, 0.2, 0.4, 0.8)
 MAX_PAUSE_S = 1.0
 #: How long "not found" is watched after the server first answered, in seconds.
 SETTLE_S = 5.0
+#: Pauses before an id whose release answered "not found" is tried again (the first,
+#: second, ... answer), in seconds.
+NOT_FOUND_PAUSES_S = (0.25, 0.5, 1.0)
 #: How long after its adoption an id is dropped in any case, in seconds.
 GIVE_UP_S = 600.0
 
 
-class _Sent:
-    """The lock id of the acquire running in this context, once it is chosen."""
+class SentRequest:
+    """The lock id of the acquire running in this context, once it is chosen, and
+    whether a write of it may have been applied whatever the call ends with."""
 
-    __slots__ = ("lock_id",)
+    __slots__ = ("lock_id", "maybe_written")
 
     def __init__(self) -> None:
         self.lock_id: str | None = None
+        self.maybe_written = False
 
 
-_SENT: contextvars.ContextVar[_Sent | None] = contextvars.ContextVar(
+_SENT: contextvars.ContextVar[SentRequest | None] = contextvars.ContextVar(
     "django_syncguard_sent_lock_id", default=None
 )
 
 
 @contextlib.contextmanager
-def watching_sends() -> Iterator[_Sent]:
+def watching_sends() -> Iterator[SentRequest]:
     """Within the block, :func:`note_sent` records the lock id an acquire sends.
 
     A context variable holding a mutable record: an acquire run in a worker thread
     (``sync_to_async`` copies the context) writes to the caller's record."""
-    sent = _Sent()
+    sent = SentRequest()
     token = _SENT.set(sent)
     try:
         yield sent
@@ -95,6 +100,15 @@ def note_sent(lock_id: str) -> str:
     return lock_id
 
 
+def note_maybe_written() -> None:
+    """Record that a write of the running acquire may have been applied although the
+    call will not return its lock (a commit whose outcome is unknown, a WAIT that
+    failed after its script ran): the id is released whatever the call ends with."""
+    sent = _SENT.get()
+    if sent is not None:
+        sent.maybe_written = True
+
+
 @dataclass(slots=True)
 class _Orphan:
     lock_id: str
@@ -102,6 +116,10 @@ class _Orphan:
     adopted_at: float
     #: When a release of it was first answered (with "not found").
     answered_at: float | None = None
+    #: Not tried again before this time (releases answered "not found" back off).
+    next_at: float = 0.0
+    #: How many releases answered "not found".
+    misses: int = 0
 
 
 class OrphanReleaser:
@@ -133,7 +151,7 @@ class OrphanReleaser:
     def pending(self) -> int:
         return len(self._pending)
 
-    def adopt(self, lock_id: str, key: str, error: BaseException) -> bool:
+    def adopt(self, lock_id: str, key: str, error: BaseException | None) -> bool:
         """Release ``lock_id`` (an acquire of ``key`` that failed with ``error``) in
         the background; ``False`` when too many wait already."""
         key_hash = display_hash(key)
@@ -145,7 +163,7 @@ class OrphanReleaser:
                     self.backend.alias,
                     MAX_PENDING,
                     key_hash,
-                    type(error).__name__,
+                    _outcome(error),
                 )
                 return False
             self._pending[lock_id] = _Orphan(lock_id, key_hash, self._clock())
@@ -159,7 +177,7 @@ class OrphanReleaser:
             "its lock will be released once the server answers.",
             self.backend.alias,
             key_hash,
-            type(error).__name__,
+            _outcome(error),
         )
         return True
 
@@ -195,10 +213,16 @@ class OrphanReleaser:
         answer (the round then stops: one probe per round during an outage)."""
         with self._mutex:
             round_ = list(self._pending.values())
+        now = self._clock()
         for orphan in round_:
             if self._stop.is_set():
                 return True
+            if orphan.next_at > now and now - orphan.adopted_at < GIVE_UP_S:
+                continue
             if not self._try(orphan):
+                with self._mutex:  # to the back: one unreachable node or slot does not
+                    if self._pending.pop(orphan.lock_id, None) is not None:  # starve the rest
+                        self._pending[orphan.lock_id] = orphan
                 return False
         return True
 
@@ -228,9 +252,13 @@ class OrphanReleaser:
                 self.backend.alias,
                 orphan.key_hash,
             )
-        elif orphan.answered_at is None:
-            orphan.answered_at = now
-        elif now - orphan.answered_at >= SETTLE_S:
+        elif orphan.answered_at is None or now - orphan.answered_at < SETTLE_S:
+            if orphan.answered_at is None:
+                orphan.answered_at = now
+            pause = NOT_FOUND_PAUSES_S[min(orphan.misses, len(NOT_FOUND_PAUSES_S) - 1)]
+            orphan.misses += 1
+            orphan.next_at = now + pause
+        else:
             # The server has answered "not found" for a while: the acquire never ran,
             # found the key held, or its lock is already gone.
             with self._mutex:
@@ -252,3 +280,7 @@ class OrphanReleaser:
             orphan.key_hash,
             *args,
         )
+
+
+def _outcome(error: BaseException | None) -> str:
+    return type(error).__name__ if error is not None else "a write of unknown outcome"

@@ -179,12 +179,39 @@ def test_an_id_that_never_took_a_lock_is_dropped_after_the_settle_window(redis_b
     rel = releaser(redis_backend, clock)
     rel.adopt("A" * 22, "orphan:never", NetworkTimeout("lost"))
     assert rel.run_round() is True  # answered "not found": the window opens
-    clock.now += orphans.SETTLE_S - 0.001
+    (orphan,) = rel._pending.values()
+    assert (orphan.misses, orphan.next_at) == (1, clock.now + 0.25)
+    clock.now += 0.2
+    assert rel.run_round() is True  # not due yet: not asked
+    assert orphan.misses == 1
+    clock.now += orphans.SETTLE_S - 0.2 - 0.001
     assert rel.run_round() is True
-    assert rel.pending == 1  # a late acquire could still land
-    clock.now += 0.001
+    assert (rel.pending, orphan.misses) == (1, 2)  # a late acquire could still land
+    clock.now += 0.5  # past the next pause and the window
     assert rel.run_round() is True
     assert (rel.pending, rel.released, rel.dropped) == (0, 0, 0)
+
+
+def test_what_redis_says_may_have_run():
+    import redis.exceptions as errors
+    from redis.sentinel import MasterNotFoundError
+
+    backend = RedisBackend("orphans", {"LOCATION": "redis://127.0.0.1:1/0"})
+
+    def may_have_run(cause: Exception) -> bool:
+        return backend._acquire_may_have_run(NetworkTimeout("x", context={"cause": cause}))
+
+    assert may_have_run(errors.TimeoutError("Timeout reading from socket")) is True
+    assert may_have_run(errors.ConnectionError("Connection closed by server.")) is True
+    assert may_have_run(errors.TimeoutError("Timeout connecting to server")) is False
+    assert may_have_run(errors.ConnectionError("Error 111 connecting to 127.0.0.1:1.")) is False
+    assert may_have_run(errors.MaxConnectionsError("Too many connections")) is False
+    assert may_have_run(errors.ConnectionError("No connection available.")) is False
+    assert may_have_run(errors.AuthenticationError("invalid password")) is False
+    assert may_have_run(errors.BusyLoadingError("LOADING")) is False
+    assert may_have_run(MasterNotFoundError("No master found for 'm'")) is False
+    assert may_have_run(errors.ResponseError("TRYAGAIN")) is False
+    assert backend._acquire_may_have_run(NetworkTimeout("no cause")) is False
 
 
 def test_while_the_server_is_down_one_release_per_round_then_give_up():

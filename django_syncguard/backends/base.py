@@ -43,7 +43,7 @@ from ..fence_floors import (
 from ..fencing import check_fence
 from ..keys import normalize_and_validate_key, validate_lock_id
 from ..lifecycle import track
-from ..orphans import OrphanReleaser, watching_sends
+from ..orphans import OrphanReleaser, SentRequest, watching_sends
 from ..owners import QueueStats, owner_label, pinned, record_owner_option
 from ..results import (
     AcquireResult,
@@ -293,8 +293,10 @@ class BaseLockBackend(SanitizedLookups, ABC):
             try:
                 result = self._acquire(key, ttl_ms, cancel, ticket)
             except BaseException as exc:
-                self._acquire_failed(key, sent.lock_id, exc)
+                self._acquire_failed(key, sent, exc)
                 raise
+            if not result.ok and sent.maybe_written:
+                self._acquire_failed(key, sent, None)
         return self._checked_acquire(result, key)
 
     async def aacquire(
@@ -311,8 +313,10 @@ class BaseLockBackend(SanitizedLookups, ABC):
             try:
                 result = await self._aacquire(key, ttl_ms, cancel, ticket)
             except BaseException as exc:  # a cancelled task too: its request may be out
-                self._acquire_failed(key, sent.lock_id, exc)
+                self._acquire_failed(key, sent, exc)
                 raise
+            if not result.ok and sent.maybe_written:
+                self._acquire_failed(key, sent, None)
         return self._checked_acquire(result, key)
 
     def withdraw(self, key: str, ticket_id: str) -> None:
@@ -550,14 +554,22 @@ class BaseLockBackend(SanitizedLookups, ABC):
                 built = self.__dict__["_orphans_built"] = OrphanReleaser(self)
             return built
 
-    def _acquire_failed(self, key: str, lock_id: str | None, error: BaseException) -> None:
-        """An acquire of ``key`` that had chosen ``lock_id`` raised ``error``: when
-        the server may still run it, its lock id is released in the background."""
-        if lock_id is None or not self.abandoned_requests_run:
+    def _acquire_failed(self, key: str, sent: SentRequest, error: BaseException | None) -> None:
+        """An acquire of ``key`` raised ``error`` (``None``: it answered "locked"
+        after a write of unknown outcome): when the server may still run or have
+        applied it, its lock id is released in the background. Never raises: the
+        caller gets the acquire's own outcome."""
+        if sent.lock_id is None or not self.abandoned_requests_run:
             return
-        if isinstance(error, LockError) and not self._acquire_may_have_run(error):
+        if not sent.maybe_written and (
+            error is None
+            or (isinstance(error, LockError) and not self._acquire_may_have_run(error))
+        ):
             return
-        self.orphans.adopt(lock_id, key, error)
+        try:
+            self.orphans.adopt(sent.lock_id, key, error)
+        except Exception:  # a thread that cannot start, a failing log handler
+            logger.exception("%s: could not hand a failed acquire to the releaser.", self.alias)
 
     def _acquire_may_have_run(self, error: LockError) -> bool:
         """Whether an acquire that raised ``error`` may have reached the server (a
@@ -653,8 +665,8 @@ class BaseLockBackend(SanitizedLookups, ABC):
         return owner_label() if self.record_owner else None
 
     def queue_stats(self, keys: list[str]) -> dict[str, QueueStats]:
-        """The live waiters queued on each of ``keys`` (storage keys as listed by
-        ``list_locks``), for the inspector: one request for them all where the store
+        """The live waiters queued on each of ``keys`` (the user keys of the records
+        ``list_locks`` returned; each backend derives its storage keys), for the inspector: one request for them all where the store
         allows. Keys nobody waits for are absent; a backend without queues (or with
         ``WAKE_UPS`` off) answers ``{}`` without I/O."""
         if not keys or self.wake_ups is None:

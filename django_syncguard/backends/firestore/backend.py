@@ -39,7 +39,7 @@ from ...fence_floors import IdleCounter, next_fence
 from ...fencing import FENCE_MAX, fence_overflow_error, format_fence
 from ...keys import generate_lock_id
 from ...liveness import is_live
-from ...orphans import note_sent
+from ...orphans import note_maybe_written, note_sent
 from ...owners import QueueStats
 from ...results import AcquireResult, ExtendResult, LockPage, LockRecord, ReleaseResult
 from ...waiting import CHECK_IN_MS, WaitTicket, WakeUps, queue_admits, queue_head
@@ -277,6 +277,9 @@ class FirestoreBackend(BatchedCleanup, BaseLockBackend):
             return False
         if outcome_unknown(exc):
             logger.info("A commit's outcome is unknown (%s); reading again.", exc.code)
+            # Should the acquire end without learning it (its attempts used up, a
+            # failed read), its lock id is released in the background.
+            note_maybe_written()
             return None
         raise exc
 

@@ -235,9 +235,16 @@ async def _aclose(client: Any) -> None:
 def commit_may_have_applied(error: LockError) -> bool:
     """Whether the call behind ``error`` may have been applied by the server: its
     deadline passed or the service broke off, rather than a refusal or a conflict
-    (``Aborted``: the batch's guard failed, nothing was written)."""
+    (``Aborted``: the batch's guard failed, nothing was written). A commit whose
+    outcome stayed unknown is marked by the backend itself (``note_maybe_written``)."""
     from google.api_core import exceptions as api
 
     cause = error.context.get("cause")
-    maybe = (api.DeadlineExceeded, api.RetryError, api.ServiceUnavailable, api.InternalServerError)
-    return isinstance(cause, maybe) and not isinstance(cause, api.Aborted)
+    maybe = (
+        api.DeadlineExceeded,
+        api.RetryError,
+        api.ServiceUnavailable,
+        api.InternalServerError,
+        api.Unknown,  # gRPC UNKNOWN: "Stream removed" on a connection broken mid-call
+    )
+    return isinstance(cause, maybe)

@@ -65,7 +65,7 @@ from ...errors import InvalidArgument, LockError, ServiceUnavailable
 from ...fence_floors import FenceMode, IdleCounter
 from ...fencing import FENCE_MAX, fence_overflow_error, format_fence
 from ...keys import derived, generate_lock_id, make_storage_key
-from ...orphans import note_sent
+from ...orphans import note_maybe_written, note_sent
 from ...owners import QueueStats
 from ...results import AcquireResult, ExtendResult, LockPage, LockRecord, ReleaseResult
 from ...waiting import WaitTicket, WakeUps
@@ -285,7 +285,9 @@ class RedisBackend(BaseLockBackend):
                 # The script did not run (a restarted server, SCRIPT FLUSH): load it,
                 # send the pair again.
                 client.script_load(script.script)
-                replies = self._wait_pipeline(client, script, keys, args).execute()
+                replies = self._wait_pipeline(client, script, keys, args).execute(
+                    raise_on_error=False
+                )
             return _waited(replies)
         except redis_error() as exc:
             raise map_redis_error(exc, self.alias) from exc
@@ -317,7 +319,9 @@ class RedisBackend(BaseLockBackend):
             )
             if isinstance(replies[0], no_script_error()):
                 await client.script_load(script.script)
-                replies = await self._wait_pipeline(client, script, keys, args).execute()
+                replies = await self._wait_pipeline(client, script, keys, args).execute(
+                    raise_on_error=False
+                )
             return _waited(replies)
         except redis_error() as exc:
             raise map_redis_error(exc, self.alias) from exc
@@ -424,8 +428,13 @@ class RedisBackend(BaseLockBackend):
         refused connection (redis-py says "connecting"), nor a reply of the server's
         (MOVED, TRYAGAIN, READONLY: the script did not run)."""
         cause = error.context.get("cause")
-        lost = redis_lost_reply_errors()
-        return isinstance(cause, lost) and "connecting" not in str(cause).lower()
+        lost, never_sent = redis_lost_reply_errors()
+        return (
+            isinstance(cause, lost)
+            and not isinstance(cause, never_sent)
+            and "connecting" not in str(cause).lower()
+            and "no connection available" not in str(cause).lower()
+        )
 
     def _undo_keys(self, acquire_keys: list[str]) -> list[str]:
         """The release script's KEYS for the lock an acquire with ``acquire_keys``
@@ -909,10 +918,15 @@ class RedisBackend(BaseLockBackend):
 
 def _waited(replies: list[Any]) -> tuple[Any, int]:
     """(the script's reply, the replicas WAIT counted) of a script + WAIT pipeline."""
-    for reply in replies:
-        if isinstance(reply, Exception):
-            raise reply
-    return replies[0], int(replies[1])
+    script_reply, wait_reply = replies
+    if isinstance(script_reply, Exception):
+        raise script_reply
+    if isinstance(wait_reply, Exception):
+        # The script ran (an acquire may have taken its lock) but WAIT failed (an ACL
+        # without WAIT, say): the caller gets the error, the lock is released.
+        note_maybe_written()
+        raise wait_reply
+    return script_reply, int(wait_reply)
 
 
 def _queue_script(pipe: Any, script: Any, keys: list[str], args: list[Any]) -> None:

@@ -97,11 +97,22 @@ def no_script_error() -> type[Exception]:
     return error
 
 
-def redis_lost_reply_errors() -> tuple[type[Exception], ...]:
+def redis_lost_reply_errors() -> tuple[tuple[type[Exception], ...], tuple[type[Exception], ...]]:
     """redis-py's errors of a reply that did not come (a timeout, a dropped
-    connection), as opposed to a reply the server sent."""
-    errors = _redis().exceptions
-    return (errors.TimeoutError, errors.ConnectionError)
+    connection), and those of its subclasses raised before anything was sent (a full
+    pool, a refused login, a server still loading, no primary known to Sentinel)."""
+    redis = _redis()
+    errors = redis.exceptions
+    from redis.sentinel import MasterNotFoundError
+
+    never_sent: tuple[type[Exception], ...] = (
+        errors.AuthenticationError,
+        errors.BusyLoadingError,
+        MasterNotFoundError,
+    )
+    if hasattr(errors, "MaxConnectionsError"):  # redis-py 5.1+
+        never_sent += (errors.MaxConnectionsError,)
+    return (errors.TimeoutError, errors.ConnectionError), never_sent
 
 
 def map_redis_error(exc: BaseException, alias: str) -> LockError:

@@ -150,8 +150,10 @@ if ARGV[5] ~= '' then
 end
 if ARGV[7] ~= '' then
   fields[#fields + 1], fields[#fields + 2] = 'o', ARGV[7]
-elseif cur[1] then
-  redis.call('HDEL', KEYS[1], 'o')  -- taken over from an expired holder: not its label
+else
+  -- Not the label of an expired holder taken over (nor one an older version of this
+  -- script left behind during a deploy).
+  redis.call('HDEL', KEYS[1], 'o')
 end
 redis.call('HSET', KEYS[1], unpack(fields))
 redis.call('SET', KEYS[2], KEYS[1], 'PX', tonumber(ARGV[2]) + tonumber(ARGV[3]))
