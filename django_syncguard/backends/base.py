@@ -666,9 +666,10 @@ class BaseLockBackend(SanitizedLookups, ABC):
 
     def queue_stats(self, keys: list[str]) -> dict[str, QueueStats]:
         """The live waiters queued on each of ``keys`` (the user keys of the records
-        ``list_locks`` returned; each backend derives its storage keys), for the inspector: one request for them all where the store
-        allows. Keys nobody waits for are absent; a backend without queues (or with
-        ``WAKE_UPS`` off) answers ``{}`` without I/O."""
+        ``list_locks`` returned; each backend derives its storage keys), for the
+        inspector: one request for them all where the store allows. Keys nobody waits
+        for are absent; a backend without queues (or with ``WAKE_UPS`` off) answers
+        ``{}`` without I/O."""
         if not keys or self.wake_ups is None:
             return {}
         return self._queue_stats(list(keys))
