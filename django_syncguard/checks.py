@@ -29,6 +29,9 @@
                     lock (``on_contended="wait"``) no longer than ``ttl_ms`` plus the
                     takeover tolerance: the lease a killed holder leaves outlasts every
                     run queued behind it, and each fails with ``AcquisitionTimeout``.
+``syncguard.W006``  The admin is installed and sessions are signed cookies: the lock
+                    inspector keeps the keys of the rows it shows in the session, and
+                    a signed cookie is readable by the user who carries it.
 ``syncguard.W013``  Two aliases share one key namespace with nested prefixes (Redis:
                     ``KEY_PREFIX`` "a" and "a:b" on one server): the outer alias's keys
                     include the inner one's, and its fence compaction deletes the
@@ -124,6 +127,17 @@ W005 = (
     "over. When a worker dies holding the key, every run of the task queued behind it "
     "fails with AcquisitionTimeout."
 )
+W006 = (
+    "SESSION_ENGINE is signed cookies and django.contrib.admin is installed: the lock "
+    "inspector keeps the raw keys of the rows it shows in the session, and a signed "
+    "cookie is signed, not encrypted: a staff user without the view_lock_key "
+    "permission can read the keys from it."
+)
+W006_HINT = (
+    "Use database or cache sessions (django.contrib.sessions.backends.db, .cache or "
+    ".cached_db), or silence syncguard.W006 if no key may name a person or a secret."
+)
+SIGNED_COOKIES = "django.contrib.sessions.backends.signed_cookies"
 W005_HINT = (
     "Wait longer than ttl_ms + {tolerance} ms ({minimum} ms here) plus the runs queued "
     "ahead (timeout_ms; max_retries too when its delays run out first), and keep the "
@@ -179,7 +193,20 @@ def check_backends(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckM
                 namespaces[alias] = namespace
     messages.extend(check_nested_namespaces(namespaces))
     messages.extend(check_locked_functions(list(handler.settings), timeouts))
+    messages.extend(check_inspector_sessions())
     return messages
+
+
+def check_inspector_sessions() -> list[checks.CheckMessage]:
+    """W006 when the inspector's session data would travel in a readable cookie."""
+    from django.apps import apps
+    from django.conf import settings
+
+    if not apps.is_installed("django.contrib.admin"):
+        return []
+    if getattr(settings, "SESSION_ENGINE", "") != SIGNED_COOKIES:
+        return []
+    return [checks.Warning(W006, hint=W006_HINT, id="syncguard.W006")]
 
 
 def check_nested_namespaces(namespaces: dict[str, tuple[str, str]]) -> list[checks.CheckMessage]:

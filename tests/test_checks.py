@@ -30,6 +30,8 @@ from django_syncguard.checks import (
     W003_RENEWAL_HINT,
     W003_TTL,
     W003_TTL_HINT,
+    W006,
+    W006_HINT,
     W013,
     W013_HINT,
     check_backends,
@@ -601,6 +603,35 @@ def test_manage_py_check_fails_on_an_unknown_alias(settings):
 def test_check_backends_can_be_called_directly(bad_shape):
     bad_shape.SYNCGUARD_BACKENDS = ["bad"]
     assert [m.id for m in check_backends()] == ["syncguard.E001"]
+
+
+# ------------------------------------------------------------------- W006
+@pytest.mark.usefixtures("debug")
+def test_w006_signed_cookie_sessions_would_carry_the_inspector_s_keys(settings):
+    settings.SESSION_ENGINE = "django.contrib.sessions.backends.signed_cookies"
+    assert only(run()) == ("syncguard.W006", checks.WARNING, W006, W006_HINT)
+
+
+@pytest.mark.usefixtures("debug")
+@pytest.mark.parametrize(
+    "engine",
+    ["django.contrib.sessions.backends.db", "django.contrib.sessions.backends.cached_db"],
+)
+def test_w006_is_quiet_with_server_side_sessions(settings, engine):
+    settings.SESSION_ENGINE = engine
+    assert run() == []
+
+
+@pytest.mark.usefixtures("debug")
+def test_w006_is_quiet_without_the_admin(settings, monkeypatch):
+    from django.apps import apps
+
+    settings.SESSION_ENGINE = "django.contrib.sessions.backends.signed_cookies"
+    installed = apps.is_installed
+    monkeypatch.setattr(
+        apps, "is_installed", lambda name: name != "django.contrib.admin" and installed(name)
+    )
+    assert run() == []
 
 
 # ------------------------------------------------------------------- W004
