@@ -35,6 +35,7 @@ import contextvars
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -122,6 +123,21 @@ class _Orphan:
     misses: int = 0
 
 
+#: Every releaser of this process, weakly (see :func:`stop_all`).
+_releasers: weakref.WeakSet[OrphanReleaser] = weakref.WeakSet()
+
+
+def stop_all(timeout_s: float = 5.0) -> int:
+    """Stop every releaser of this process whose thread runs, waiting up to
+    ``timeout_s`` for each; returns how many were running. For a shutdown, or a test
+    suite between tests (a thread left calling a server that a test stopped must not
+    run into the next test's fork)."""
+    running = [r for r in list(_releasers) if r._thread is not None and r._thread.is_alive()]
+    for releaser in running:
+        releaser.stop(timeout_s)
+    return len(running)
+
+
 class OrphanReleaser:
     """Releases the lock ids of failed acquires of one backend, in a daemon thread.
 
@@ -146,6 +162,7 @@ class OrphanReleaser:
         #: Counters, for logs and tests.
         self.released = 0
         self.dropped = 0
+        _releasers.add(self)
 
     @property
     def pending(self) -> int:
@@ -192,9 +209,13 @@ class OrphanReleaser:
         if not self._pending:
             self._idle.notify_all()
 
-    def stop(self) -> None:
-        """Make the thread end after its current release (``close()``, tests)."""
+    def stop(self, timeout_s: float = 0.0) -> None:
+        """Make the thread end after its current release, and wait up to
+        ``timeout_s`` for it (``close()``: its clients are closed next)."""
         self._stop.set()
+        thread = self._thread
+        if timeout_s and thread is not None and thread is not threading.current_thread():
+            thread.join(timeout_s)
 
     def _run(self) -> None:
         failures = 0

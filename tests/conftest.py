@@ -196,6 +196,17 @@ def _postgres_for_the_alias(request: pytest.FixtureRequest) -> None:
         request.getfixturevalue("postgres_server")
 
 
+@pytest.fixture(autouse=True)
+def _no_orphan_releaser_outlives_its_test() -> Iterator[None]:
+    """A releaser still retrying against a server its test stopped would call it
+    during the next tests, and a gRPC call in flight when a later test forks can crash
+    the child (gRPC's fork limits, not ours): each test ends its releasers."""
+    yield
+    from django_syncguard import orphans
+
+    orphans.stop_all()
+
+
 def pytest_sessionfinish(session: pytest.Session) -> None:
     """Remove the SQLite test database's wait-queue file (the database backend keeps
     its queue beside the database; the test database itself is removed by Django)."""

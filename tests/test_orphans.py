@@ -307,3 +307,20 @@ def test_a_forked_child_starts_with_no_pending_orphans_of_its_parent(redis_backe
     forked.go()
     assert forked.result() == [False, 0]
     assert redis_backend.orphans is rel and rel.pending == 1
+
+
+def test_stop_all_ends_every_running_releaser():
+    server = RedisServer().start()
+    backend = RedisBackend(
+        "orphans", {"LOCATION": server.url, "KEY_PREFIX": "stop", "OPTIONS": TIMEOUTS}
+    )
+    server.destroy()  # its releases fail: the thread would retry for GIVE_UP_S
+    try:
+        backend.orphans.adopt("S" * 22, "orphan:stop", NetworkTimeout("lost"))
+        thread = backend.orphans._thread
+        assert thread is not None and thread.is_alive()
+        assert orphans.stop_all() == 1
+        assert not thread.is_alive()
+        assert orphans.stop_all() == 0
+    finally:
+        backend.close()

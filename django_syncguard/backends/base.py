@@ -530,8 +530,8 @@ class BaseLockBackend(SanitizedLookups, ABC):
         if built is not None:
             built.close()
         orphans: OrphanReleaser | None = self.__dict__.pop("_orphans_built", None)
-        if orphans is not None:
-            orphans.stop()
+        if orphans is not None:  # its release in flight ends within one operation
+            orphans.stop(timeout_s=self.operation_timeout_ms / 1000 + 1)
 
     def reset_after_fork(self) -> None:
         """In a forked child (called by :mod:`~django_syncguard.lifecycle`, before the

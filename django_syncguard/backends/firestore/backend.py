@@ -374,13 +374,14 @@ class FirestoreBackend(BatchedCleanup, BaseLockBackend):
     def _acquire(
         self, key: str, ttl_ms: int, cancel: CancelToken | None, ticket: WaitTicket | None = None
     ) -> AcquireResult:
-        refs, lock_id = self._acquire_refs(key), note_sent(generate_lock_id())
+        refs, lock_id = self._acquire_refs(key), generate_lock_id()
         for _ in range(CONFLICT_ATTEMPTS):
             snaps = self._call(lambda: list(self.client.get_all(list(refs))))
             batch = self.client.batch()
             plan = self._plan_acquire(batch, key, ttl_ms, snaps, refs, cancel, ticket, lock_id)
             if not plan.write:
                 return plan.result
+            note_sent(lock_id)  # only a commit can take the lock, not the reads before it
             if self._commit(batch):
                 return self._committed(plan, refs, batch)
         return AcquireResult.locked()  # the lock kept changing under us: contention
@@ -389,13 +390,14 @@ class FirestoreBackend(BatchedCleanup, BaseLockBackend):
         self, key: str, ttl_ms: int, cancel: CancelToken | None, ticket: WaitTicket | None = None
     ) -> AcquireResult:
         client = self.aclient()
-        refs, lock_id = self._acquire_refs(key, client), note_sent(generate_lock_id())
+        refs, lock_id = self._acquire_refs(key, client), generate_lock_id()
         for _ in range(CONFLICT_ATTEMPTS):
             snaps = await self._acall(_collect(client.get_all(list(refs))))
             batch = client.batch()
             plan = self._plan_acquire(batch, key, ttl_ms, snaps, refs, cancel, ticket, lock_id)
             if not plan.write:
                 return plan.result
+            note_sent(lock_id)
             if await self._acommit(batch):
                 return self._committed(plan, refs, batch)
         return AcquireResult.locked()
