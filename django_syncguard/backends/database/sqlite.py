@@ -427,10 +427,14 @@ class SqliteOperations(DatabaseOperations):
             raw.execute(f"PRAGMA {QUEUE_SCHEMA}.journal_mode = WAL")
         raw.execute(f"PRAGMA {QUEUE_SCHEMA}.synchronous = OFF")
         raw.execute(CREATE_QUEUE)
-        if not any(row[1] == "queued_at_ms" for row in raw.execute(QUEUE_COLUMNS).fetchall()):
-            # Another connection may add it first: then the column is there all the same.
-            with suppress(OperationalError, sqlite3.OperationalError):
+        if not _has_queued_at(raw):
+            try:
                 raw.execute(ADD_QUEUED_AT)
+            except (OperationalError, sqlite3.OperationalError):
+                # Another connection added it first: fine. Anything else ("database
+                # is locked") fails this connection's set-up; the next call retries.
+                if not _has_queued_at(raw):
+                    raise
 
     def _name(self) -> str:
         return str(connections[self.database].settings_dict["NAME"])
@@ -730,3 +734,8 @@ def caller_transaction_holds(database: str, *, wal: bool) -> bool:
     _watch(caller)
     watch = _watcher(caller)
     return bool(watch and (watch.wrote or (watch.read and not wal)))
+
+
+def _has_queued_at(raw: Any) -> bool:
+    """Whether the attached queue file has the ``queued_at_ms`` column."""
+    return any(row[1] == "queued_at_ms" for row in raw.execute(QUEUE_COLUMNS).fetchall())
