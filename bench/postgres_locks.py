@@ -106,6 +106,32 @@ def syncguard(port: int) -> MethodFactory:
     return factory
 
 
+def syncguard_durable_release(port: int) -> MethodFactory:
+    """Our backend with a release that waits for its WAL flush (as before issue 24):
+    the same connection, function and arguments, without the release's local
+    ``synchronous_commit = off``."""
+    setup_django(port)
+    from django_syncguard.backends.database import DatabaseBackend
+    from django_syncguard.backends.database.operations import fetch_value
+    from django_syncguard.constants import TIME_TOLERANCE_MS
+
+    backend = DatabaseBackend("bench-durable", {"OPTIONS": {"DATABASE": "default"}})
+    durable = "SELECT syncguard_release(%s, %s)"
+
+    def factory(client: int):
+        def acquire(key: str):
+            result = backend.acquire(key, 30_000)
+            return result.lock_id if result.ok else None
+
+        def release(lock_id: str) -> None:
+            params = [lock_id, TIME_TOLERANCE_MS]
+            backend.ops.run(lambda c: fetch_value(c, durable, params))
+
+        return acquire, release
+
+    return factory
+
+
 def _connection(port: int):
     import psycopg
 
@@ -205,7 +231,13 @@ def advisory(port: int) -> MethodFactory:
     return factory
 
 
-METHODS = {"syncguard": syncguard, "floor": floor, "seeds": seeds, "advisory": advisory}
+METHODS = {
+    "syncguard": syncguard,
+    "durable-release": syncguard_durable_release,
+    "floor": floor,
+    "seeds": seeds,
+    "advisory": advisory,
+}
 
 
 # ------------------------------------------------------------------- memory

@@ -95,6 +95,29 @@ def test_each_operation_is_one_statement_on_postgres(pg):
 
 
 @on_postgres
+def test_a_release_alone_commits_without_waiting_for_the_wal_flush(pg):
+    backend = pg.backend
+
+    def durable(cursor):  # the test server runs with synchronous_commit=off: undo it
+        cursor.execute("SET synchronous_commit = on")
+
+    def setting(cursor):
+        cursor.execute("SHOW synchronous_commit")
+        return cursor.fetchone()[0]
+
+    backend.connections.run(durable)
+    held = backend.acquire("async-release", 10_000)
+    conn = backend.connection()
+    with CaptureQueriesContext(conn) as queries:
+        assert backend.release(held.lock_id).ok is True
+    assert queries[0]["sql"].endswith("set_config('synchronous_commit', 'off', true)")
+    # Local to the release's transaction: the same connection's next statements
+    # (acquires, extends) commit durably.
+    assert backend.connections.run(setting) == "on"
+    assert backend.acquire("async-release", 10_000).ok is True
+
+
+@on_postgres
 def test_acquire_statement_is_the_installed_function(pg):
     conn = pg.backend.connection()
     with CaptureQueriesContext(conn) as queries:

@@ -49,7 +49,11 @@ FLOOR = PLACEHOLDERS["floor_key"]
 # the ticket's queue position); release's and extend's: 1 = done, 2 = expired, 0 = not
 # found.
 ACQUIRE = "SELECT * FROM syncguard_acquire(%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
-RELEASE = "SELECT syncguard_release(%s, %s)"
+# A release commits without waiting for its WAL flush (local to its own transaction;
+# acquires and extends stay durable): lost in a server crash, it leaves the lock to
+# its TTL, as a crashed holder does, and the next durable commit flushes it anyway.
+# See specs/backends/database.md, Durability of a release.
+RELEASE = "SELECT syncguard_release(%s, %s), set_config('synchronous_commit', 'off', true)"
 EXTEND = "SELECT * FROM syncguard_extend(%s, %s, %s)"
 WITHDRAW = "SELECT syncguard_withdraw(%s, %s, %s)"
 NOTIFY = "SELECT pg_notify(%s, %s)"
