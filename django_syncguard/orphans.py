@@ -30,6 +30,7 @@ harmless: a release only ever removes the lock its id names.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import contextvars
 import logging
@@ -136,6 +137,12 @@ def stop_all(timeout_s: float = 5.0) -> int:
     for releaser in running:
         releaser.stop(timeout_s)
     return len(running)
+
+
+# At exit, a releaser thread still running (a daemon) would meet the interpreter's
+# finalization mid-call or mid-log-line, which can abort the process: stop them first,
+# waiting briefly (pending ids are then left to their TTL, as documented).
+atexit.register(stop_all, 1.0)
 
 
 class OrphanReleaser:
@@ -264,15 +271,17 @@ class OrphanReleaser:
             self._drop(orphan, "its release raised; it is left to its TTL")
             return True
         if result.ok:
-            with self._mutex:
-                self._forget(orphan)
-                self.released += 1
+            # Logged first: a process that waits for its releaser (wait_idle) and then
+            # exits must not find this thread in the middle of writing a log line.
             logger.warning(
                 "%s: released the lock on key %s that an acquire took after its caller "
                 "had given up.",
                 self.backend.alias,
                 orphan.key_hash,
             )
+            with self._mutex:
+                self._forget(orphan)
+                self.released += 1
         elif orphan.answered_at is None or now - orphan.answered_at < SETTLE_S:
             if orphan.answered_at is None:
                 orphan.answered_at = now
@@ -282,25 +291,25 @@ class OrphanReleaser:
         else:
             # The server has answered "not found" for a while: the acquire never ran,
             # found the key held, or its lock is already gone.
-            with self._mutex:
-                self._forget(orphan)
             logger.debug(
                 "%s: the failed acquire on key %s holds nothing.",
                 self.backend.alias,
                 orphan.key_hash,
             )
+            with self._mutex:
+                self._forget(orphan)
         return True
 
     def _drop(self, orphan: _Orphan, why: str, *args: object) -> None:
-        with self._mutex:
-            self._forget(orphan)
-            self.dropped += 1
         logger.warning(
             "%s: the failed acquire on key %s: " + why + ".",
             self.backend.alias,
             orphan.key_hash,
             *args,
         )
+        with self._mutex:
+            self._forget(orphan)
+            self.dropped += 1
 
 
 def _outcome(error: BaseException | None) -> str:
