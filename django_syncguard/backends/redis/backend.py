@@ -288,6 +288,10 @@ class RedisBackend(BaseLockBackend):
                 replies = self._wait_pipeline(client, script, keys, args).execute(
                     raise_on_error=False
                 )
+            if _demoted(replies):
+                # The node is a replica now: reconnect (through Sentinel, to the
+                # new primary) rather than keep asking it.
+                client.connection_pool.disconnect()
             return _waited(replies)
         except redis_error() as exc:
             raise map_redis_error(exc, self.alias) from exc
@@ -914,6 +918,12 @@ class RedisBackend(BaseLockBackend):
             lambda names: [cutoff_ms, TIME_TOLERANCE_MS, *(fences[name] for name in names)],
         )
         return sum(int(reply) for reply in replies)
+
+
+def _demoted(replies: list[Any]) -> bool:
+    """Whether a script + WAIT pipeline found a replica where a primary was."""
+    wait_reply = replies[-1]
+    return isinstance(wait_reply, Exception) and "with replica" in str(wait_reply)
 
 
 def _waited(replies: list[Any]) -> tuple[Any, int]:

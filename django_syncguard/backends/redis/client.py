@@ -49,6 +49,9 @@ _UNAVAILABLE_REPLIES = (
     "CLUSTERDOWN",
     "OOM",
     "READONLY",
+    # WAIT on a server that is a replica now: a primary demoted by a failover, reached
+    # by a script that wrote nothing (so no READONLY dropped the connection first).
+    "WAIT CANNOT BE USED WITH REPLICA",
     "NOREPLICAS",
     "MISCONF",
     # Leftover redirections (redis-py follows them; one that still arrives means the
