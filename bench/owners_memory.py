@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.common import create_bench_database, machine  # noqa: E402
-from bench.postgres_locks import _sizes, _total_size, setup_django  # noqa: E402
+from bench.postgres_locks import memory_per_lock, setup_django  # noqa: E402
 from tests.support.servers import PostgresServer, RedisServer  # noqa: E402
 
 TTL_MS = 3_600_000
@@ -59,33 +59,18 @@ def redis_costs(url: str, count: int, record: bool) -> tuple[int, float, str | N
     return usage, per_lock, info.owner
 
 
-def postgres_costs(count: int, record: bool) -> tuple[int, float, float]:
+def postgres_costs(port: int, count: int, record: bool) -> tuple[int, float, float]:
     """(pg_column_size of one lock row, bytes per lock by the main forks, by
-    pg_total_relation_size)."""
+    pg_total_relation_size): ``bench/postgres_locks.py``'s measure, with the option."""
     from django.db import connection
 
-    from django_syncguard.backends.database import DatabaseBackend
-
-    options = {"DATABASE": "default", "RECORD_OWNER": record}
-    backend = DatabaseBackend("memory", {"OPTIONS": options})
-    with connection.cursor() as cursor:
-        cursor.execute("TRUNCATE syncguard_locks, syncguard_fence_counters")
-        cursor.execute("VACUUM FULL syncguard_locks")
-        cursor.execute("VACUUM FULL syncguard_fence_counters")
-        before, total_before = _sizes(cursor), _total_size(cursor)
-    for n in range(count):
-        assert backend.acquire(f"invoice:{n:07d}", TTL_MS).ok
-    backend.close()
+    per_lock, _, total = memory_per_lock(port, count, {"RECORD_OWNER": record})
     with connection.cursor() as cursor:
         cursor.execute(
             "SELECT pg_column_size(l.*) FROM syncguard_locks l WHERE key = 'invoice:0000000'"
         )
         row = int(cursor.fetchone()[0])
-        cursor.execute("VACUUM syncguard_locks")
-        cursor.execute("VACUUM syncguard_fence_counters")
-        after, total_after = _sizes(cursor), _total_size(cursor)
-    main_forks = sum(after[name] - before[name] for name in after) / count
-    return row, main_forks, (total_after - total_before) / count
+    return row, per_lock, total
 
 
 def main() -> None:
@@ -114,7 +99,7 @@ def main() -> None:
         call_command("migrate", "django_syncguard", verbosity=0)
         print("\n## PostgreSQL\n")
         for record in (False, True):
-            row, main_forks, total = postgres_costs(args.locks, record)
+            row, main_forks, total = postgres_costs(pg.port, args.locks, record)
             print(
                 f"- RECORD_OWNER={record}: pg_column_size of a lock row {row} B; "
                 f"{main_forks:.0f} B per lock (rows, indexes, counter; {total:.0f} B by "

@@ -241,7 +241,9 @@ METHODS = {
 
 
 # ------------------------------------------------------------------- memory
-def memory_per_lock(port: int, count: int) -> tuple[float, dict[str, int], float]:
+def memory_per_lock(
+    port: int, count: int, options: dict[str, Any] | None = None
+) -> tuple[float, dict[str, int], float]:
     """Bytes one held lock adds: (by the main forks of the tables and their indexes,
     that sum by relation, by ``pg_total_relation_size`` of the two tables).
 
@@ -249,14 +251,15 @@ def memory_per_lock(port: int, count: int) -> tuple[float, dict[str, int], float
     maps VACUUM creates, and TOAST (empty here). Both are measured from tables emptied
     by ``TRUNCATE`` + ``VACUUM FULL`` to the same tables holding ``count`` locks on
     distinct keys after a plain ``VACUUM`` (acquire only inserts: no dead rows to
-    reclaim, the maps are written).
+    reclaim, the maps are written). ``options`` are more of the backend's OPTIONS;
+    the locks stay held (for an hour) for the caller to inspect.
     """
     setup_django(port)
     from django.db import connection
 
     from django_syncguard.backends.database import DatabaseBackend
 
-    backend = DatabaseBackend("memory", {"OPTIONS": {"DATABASE": "default"}})
+    backend = DatabaseBackend("memory", {"OPTIONS": {"DATABASE": "default", **(options or {})}})
     with connection.cursor() as cursor:
         cursor.execute("TRUNCATE syncguard_locks, syncguard_fence_counters")
         cursor.execute("VACUUM FULL syncguard_locks")
