@@ -271,7 +271,9 @@ def test_a_key_whose_waiters_are_gone_is_compacted(build):
     h.advance(PATIENCE_MS + 10_000)
 
     assert sum(backend.compact_fences(idle_ms=5_000)) == 2
-    assert take(backend, "left:died") == 2  # the floor: 1
+    # The floor: 1, or 2 where the release granted the key (fence 2) to the waiter
+    # that died, and the grant lapsed.
+    assert take(backend, "left:died") == (3 if backend.grants else 2)
 
 
 def test_compaction_never_raises_the_floor_to_the_maximum_fence(build):

@@ -502,8 +502,12 @@ def test_a_compaction_cursor_from_elsewhere_is_refused(rh):
 def test_compaction_spares_a_live_waiter_and_not_a_dead_one(rh):
     backend = rh.redis
     held = backend.acquire("waited", 60_000)
+    # The release grants the key to the first waiter, which never claims it (its
+    # process is gone): the grant lapses, and the second waiter is still queued.
+    granted = WaitTicket(id=generate_lock_id(), patience_ms=60_000)
     ticket = WaitTicket(id=generate_lock_id(), patience_ms=60_000)
-    assert backend.acquire("waited", 60_000, ticket=ticket).queue_position == 0
+    assert backend.acquire("waited", 60_000, ticket=granted).queue_position == 0
+    assert backend.acquire("waited", 60_000, ticket=ticket).queue_position == 1
     assert backend.release(held.lock_id).ok
     rh.advance(10_000)  # acquired 10 s ago; the waiter's place lasts 50 s more
 
@@ -513,8 +517,8 @@ def test_compaction_spares_a_live_waiter_and_not_a_dead_one(rh):
     rh.advance(60_000)  # the waiter never came back (its process died)
     assert sum(backend.compact_fences(idle_ms=5_000)) == 1
     assert backend.client.exists(backend.lock_key("waited")) == 0
-    assert backend.fence_state().floor == 1
-    assert backend.acquire("waited", 60_000, ticket=ticket).fence == "000000000000002"
+    assert backend.fence_state().floor == 2  # fence 2 went to the lapsed grant
+    assert backend.acquire("waited", 60_000, ticket=ticket).fence == "000000000000003"
 
 
 # -------------------------------------------------------------- configuration

@@ -12,6 +12,7 @@ import logging
 import os
 import queue
 import random
+import signal
 import threading
 import time
 import uuid
@@ -22,7 +23,7 @@ from django_syncguard import current_lock, generate_lock_id, lock, signals
 from django_syncguard.backends.redis import RedisBackend
 from django_syncguard.backends.redis import wakeups as redis_wakeups
 from django_syncguard.backends.redis.wakeups import RedisWakeUps
-from django_syncguard.waiting import WaitTicket
+from django_syncguard.waiting import GRANT_WINDOW_MS, WaitTicket
 from tests.support import redis_wakeup_workers as workers
 from tests.support.harness import RedisHarness
 from tests.support.processes import Children
@@ -359,18 +360,22 @@ async def test_async_waiters_are_woken_and_withdraw(rh):
         assert (await backend.aacquire("x:async", TTL, ticket=second)).queue_position == 1
         assert (await backend.arelease(held.lock_id)).ok
         assert await listen_first.await_wake(WAKE_S, None) is True
-        # The first gives up: its withdrawal wakes the second.
+        assert listen_first.grant is not None and listen_first.grant.fence == 2
+        # The first gives up: its withdrawal gives the grant back, and the key is
+        # granted to the second.
         await backend.awithdraw("x:async", first.id)
         assert await listen_second.await_wake(WAKE_S, None) is True
+        assert listen_second.grant is not None and listen_second.grant.fence == 3
         got = await backend.aacquire("x:async", TTL, ticket=second)
-        assert got.fence == "000000000000002"
+        assert (got.fence, got.lock_id) == ("000000000000003", listen_second.grant.lock_id)
         assert backend.client.hgetall(backend.lock_key("x:async")).keys() == {
             b"f",
             b"i",
             b"e",
             b"a",
             b"o",  # the owner label
-        }  # the queue is empty again: no field of it is left (no w: nor s:)
+            b"G",  # the ticket the key was granted to (until the release)
+        }  # the queue is empty again: no field of it is left (no w:, s: nor t:)
     finally:
         listen_first.close()
         listen_second.close()
@@ -421,3 +426,47 @@ def test_lock_admits_threads_and_a_process_in_the_order_they_queued(rh, queued_t
         "process": "000000000000004",
         "fourth": "000000000000005",
     }
+
+
+@pytest.mark.slow
+def test_a_waiter_killed_first_in_line_delays_the_key_by_its_grant_window(rh, queued_threads):
+    """A process queued first is killed (SIGKILL); the release grants it the key
+    anyway (its ticket is still live). Nobody claims the grant: it lapses after
+    GRANT_WINDOW_MS, and the next waiter (a thread here, which saw the grant go by)
+    tries again just after and takes the key. The delay is the window, not the dead
+    ticket's patience (2 s) nor a TTL."""
+    backend, key, children = rh.redis, "x:killed-first", Children()
+    held = backend.acquire(key, TTL)
+    entered: list[tuple[float, str]] = []
+
+    def run() -> None:
+        def body() -> None:
+            entered.append((time.monotonic(), current_lock().fence))
+
+        lock(body, key=key, using=backend, ttl_ms=TTL, timeout_ms=60_000)
+
+    try:
+        queued, results = children.ctx.Event(), children.ctx.Queue()
+        children.start(workers.queued_waiter, rh.url, rh.prefix, key, queued, results)
+        assert queued.wait(STARTUP_S)
+        queued_threads["second"] = threading.Event()
+        thread = threading.Thread(target=run, name="second")
+        thread.start()
+        assert queued_threads["second"].wait(WAKE_S)
+        child = children.started[0]
+        os.kill(child.pid, signal.SIGKILL)
+        child.join(WAKE_S)
+        assert child.exitcode == -signal.SIGKILL
+
+        released_at = time.monotonic()
+        assert backend.release(held.lock_id).ok
+        thread.join(WAKE_S)
+    finally:
+        children.terminate()
+    ((entered_at, fence),) = entered
+    delay_s = entered_at - released_at
+    print(f"killed first waiter delayed the key {delay_s * 1000:.0f} ms")
+    window_s = GRANT_WINDOW_MS / 1000
+    # Fence 2 went to the dead waiter's grant.
+    assert fence == "000000000000003"
+    assert window_s <= delay_s < window_s + 0.5

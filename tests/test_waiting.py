@@ -366,6 +366,8 @@ def test_a_fresh_key_is_tried_without_a_ticket_and_subscribed_only_when_held(mem
 class _Listener:
     def __init__(self, healthy):
         self.healthy = healthy
+        self.grant = None
+        self.recheck_at = None
 
     def close(self):
         pass

@@ -258,6 +258,13 @@ class BaseLockBackend(SanitizedLookups, ABC):
         return []
 
     @property
+    def grants(self) -> bool:
+        """Whether a release hands the key to the first live waiter in the same atomic
+        step (a :class:`~django_syncguard.waiting.Grant`), rather than only waking it
+        to try again (``specs/decisions.md``, 48)."""
+        return False
+
+    @property
     def wake_ups(self) -> WakeUps | None:
         """This process's wake-up registry for this alias, or ``None`` when waiters
         only back off (``OPTIONS["WAKE_UPS"] = False``, or a backend without queues).

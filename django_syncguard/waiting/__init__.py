@@ -23,12 +23,14 @@ from __future__ import annotations
 from .listeners import Listener, WakeUps
 from .queues import Queue, queue_admits, queue_head
 from .session import HEAD_POLL_MS, WaitSession
-from .tickets import CHECK_IN_MS, PATIENCE_MS, WaitTicket
+from .tickets import CHECK_IN_MS, GRANT_WINDOW_MS, PATIENCE_MS, Grant, WaitTicket
 
 __all__ = [
     "CHECK_IN_MS",
+    "GRANT_WINDOW_MS",
     "HEAD_POLL_MS",
     "PATIENCE_MS",
+    "Grant",
     "Listener",
     "Queue",
     "WaitSession",

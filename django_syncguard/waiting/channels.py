@@ -53,6 +53,7 @@ from typing import Protocol
 
 from ..lifecycle import abandon
 from .listeners import WakeUps
+from .tickets import Grant
 
 #: A channel whose last local waiter left stays subscribed this long.
 IDLE_CHANNEL_S = 30.0
@@ -84,10 +85,11 @@ class Confirmed:
 
 @dataclass(frozen=True, slots=True)
 class Message:
-    """A release woke ``ticket_id`` on ``channel``."""
+    """A release woke ``ticket_id`` on ``channel`` (with ``grant``: granted it the key)."""
 
     channel: str
     ticket_id: str
+    grant: Grant | None = None
 
 
 Event = Confirmed | Message
@@ -524,7 +526,7 @@ class ChannelWorker(WakeUps):
                 with self._cond:
                     key = self._channels.get(event.channel)
                 if key is not None:
-                    self.deliver(key, event.ticket_id)
+                    self.deliver(key, event.ticket_id, event.grant)
 
     def _confirm(self, channels: Iterable[str]) -> None:
         """The server confirmed ``channels``: their listeners are subscribed now, and

@@ -24,6 +24,8 @@ import time
 
 from ..cancellation import CancelToken, check_cancel
 from ..lifecycle import track
+from . import tickets
+from .tickets import Grant
 
 logger = logging.getLogger("django_syncguard.waiting")
 
@@ -43,6 +45,12 @@ class Listener:
         self._async: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None = None
         self._generation = wake_ups.generation
         self.confirmed = False  # set by WakeUps.listen once the channel is subscribed
+        #: The key, granted to this waiter by a release (set before the wake).
+        self.grant: Grant | None = None
+        #: ``time.monotonic()`` by which to try again: another waiter's grant will
+        #: have lapsed by then if its process did not claim it (see :meth:`nudge`).
+        self.recheck_at: float | None = None
+        self._woken = False  # a wake, rather than a nudge, set the event
 
     @property
     def healthy(self) -> bool:
@@ -56,6 +64,26 @@ class Listener:
 
     def wake(self) -> None:
         """Thread-safe: wake this waiter (called by the delivering thread)."""
+        self._woken = True
+        self._signal()
+
+    def nudge(self, recheck_at: float) -> None:
+        """Thread-safe: end a wait by ``recheck_at`` at the latest, without waking it
+        now (a wait in progress recomputes its end)."""
+        self.recheck_at = recheck_at
+        self._signal()
+
+    def _end_s(self, deadline: float) -> float:
+        recheck = self.recheck_at
+        return (deadline if recheck is None else min(deadline, recheck)) - time.monotonic()
+
+    def _consume(self) -> bool:
+        """After the event fired: True for a wake (consumed), False for a nudge."""
+        self._event.clear()
+        woken, self._woken = self._woken, False
+        return woken
+
+    def _signal(self) -> None:
         self._event.set()
         if self._async is not None:
             loop, event = self._async
@@ -67,11 +95,12 @@ class Listener:
         """Block up to ``timeout_s``; True when woken (the wake is consumed)."""
         deadline = time.monotonic() + max(timeout_s, 0.0)
         while True:
-            remaining = deadline - time.monotonic()
+            remaining = self._end_s(deadline)
             step = remaining if cancel is None else min(remaining, _CANCEL_SLICE_S)
             if self._event.wait(max(step, 0.0)):
-                self._event.clear()
-                return True
+                if self._consume():
+                    return True
+                continue  # nudged: the end may have moved
             check_cancel(cancel)
             if remaining <= step:
                 return False
@@ -85,7 +114,7 @@ class Listener:
         event = self._async[1]
         deadline = time.monotonic() + max(timeout_s, 0.0)
         while True:
-            remaining = deadline - time.monotonic()
+            remaining = self._end_s(deadline)
             step = remaining if cancel is None else min(remaining, _CANCEL_SLICE_S)
             try:
                 await asyncio.wait_for(event.wait(), max(step, 0.0))
@@ -95,12 +124,13 @@ class Listener:
                     return False
             else:
                 event.clear()
-                self._event.clear()
-                return True
+                if self._consume():
+                    return True
 
     def discard_wake(self) -> None:
         """Forget a wake-up not yet consumed."""
         self._event.clear()
+        self._woken = False
 
     def close(self) -> None:
         self.wake_ups.forget(self)
@@ -172,16 +202,34 @@ class WakeUps:
         except Exception as exc:
             logger.debug("Unsubscribing from %s failed: %r", self.name, exc)
 
-    def deliver(self, key: str, ticket_id: str | None = None) -> bool:
+    def deliver(self, key: str, ticket_id: str | None = None, grant: Grant | None = None) -> bool:
         """Wake the waiter holding ``ticket_id`` on ``key`` (every waiter on ``key``
-        when ``ticket_id`` is None); False when none is in this process."""
+        when ``ticket_id`` is None); False when none is in this process.
+
+        With ``grant``, the key was granted to ``ticket_id``: its waiter gets the grant
+        and :meth:`claim` runs (in the delivering thread, after the wake); the other
+        waiters of ``key`` here set their re-check past the grant's window."""
         with self._mutex:
             waiting = self._listeners.get(key, {})
             found = [waiting.get(ticket_id)] if ticket_id else list(waiting.values())
+            others = [lst for tid, lst in waiting.items() if tid != ticket_id] if grant else []
         woken = [listener for listener in found if listener is not None]
+        if grant is not None:
+            window_ms = tickets.GRANT_WINDOW_MS + tickets.RECHECK_MARGIN_MS
+            recheck = time.monotonic() + window_ms / 1000
+            for other in others:
+                other.nudge(recheck)
         for listener in woken:
+            if grant is not None:
+                listener.grant = grant
             listener.wake()
+        if grant is not None and woken:
+            self.claim(key, grant)
         return bool(woken)
+
+    def claim(self, key: str, grant: Grant) -> None:
+        """Tell the server that the waiter a grant of ``key`` reached is alive, so the
+        grant does not lapse (registries of backends that grant)."""
 
     def connection_lost(self) -> None:
         """The channel broke: every waiter polls from now on (its listener is no

@@ -17,7 +17,12 @@ retry), and wakes earlier for an attempt that counts for nothing:
   renews its ticket and notices a holder whose lease ran out without a release;
 * its listener is not healthy (no wake-up is sure to reach it) and it polls by its
   place in line: the waiter at place ``p`` (0 is first) every ``(p + 1) *``
-  :data:`HEAD_POLL_MS`.
+  :data:`HEAD_POLL_MS`;
+* another waiter was granted the key: once that grant's window is over, in case it
+  lapsed (:data:`~.tickets.GRANT_WINDOW_MS`).
+
+A release that grants the key to this waiter's ticket wakes it with the
+:class:`~.tickets.Grant`: the next attempt is that grant, without a request.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 from ..cancellation import CancelToken
+from ..fencing import check_fence, format_fence
 from ..results import AcquireResult
 from . import tickets
 from .listeners import Listener, WakeUps
@@ -51,6 +57,9 @@ class WaitSession:
 
     def attempt(self, request: Callable[[WaitTicket | None], AcquireResult]) -> AcquireResult:
         """The next attempt, through ``request(ticket)`` (see the module docstring)."""
+        granted = self._granted()
+        if granted is not None:
+            return granted
         if self.listener is None and self.wake_ups.ready(self.key):
             self.listener = self._listen()
         if self.listener is None:
@@ -66,6 +75,9 @@ class WaitSession:
         self, request: Callable[[WaitTicket | None], Awaitable[AcquireResult]]
     ) -> AcquireResult:
         """Async twin of :meth:`attempt`."""
+        granted = self._granted()
+        if granted is not None:
+            return granted
         if self.listener is None and self.wake_ups.ready(self.key):
             # Ready means no I/O: no need for a worker thread.
             self.listener = self._listen()
@@ -87,10 +99,25 @@ class WaitSession:
             self.ticket = WaitTicket.new()
         return self.ticket
 
+    def _granted(self) -> AcquireResult | None:
+        """The grant a release made to this ticket, as the acquire result it stands for."""
+        grant = None if self.listener is None else self.listener.grant
+        if grant is None:
+            return None
+        fence = check_fence(format_fence(grant.fence), self.key)
+        return AcquireResult(
+            ok=True, lock_id=grant.lock_id, expires_at_ms=grant.expires_at_ms, fence=fence
+        )
+
     def _stamp(self) -> None:
         """A request is being sent: the check-in is timed from the send, as the
-        ticket's patience runs from when the server sees it."""
+        ticket's patience runs from when the server sees it. A request sent once a
+        re-check is due is that re-check (a later grant sets a new one)."""
         self._last_request = self.clock()
+        listener = self.listener
+        recheck = None if listener is None else listener.recheck_at
+        if listener is not None and recheck is not None and time.monotonic() >= recheck:
+            listener.recheck_at = None  # this request is the re-check
 
     def _ticketed(self, result: AcquireResult) -> AcquireResult:
         self.queued = self.queued or not result.ok
@@ -104,6 +131,9 @@ class WaitSession:
         """How long to wait at most: until the retry schedule's next attempt
         (``delay_s``), the check-in, or, unhealthy, the poll by place in line."""
         check_in_s = self._last_request + tickets.CHECK_IN_MS / 1000 - self.clock()
+        recheck = None if self.listener is None else self.listener.recheck_at
+        if recheck is not None:  # set by another thread, on time.monotonic()
+            check_in_s = min(check_in_s, recheck - time.monotonic())
         budget = max(min(delay_s, remaining_s, check_in_s), 0.0)
         if position is not None and not self.healthy:
             # Polling by place: the first in line every HEAD_POLL_MS, the next ones a

@@ -17,6 +17,13 @@ CHECK_IN_MS = 1_000
 #: How long a ticket stays live after an attempt: a check-in, plus room for a slow
 #: request or a busy process. A waiter that died holds the queue up at most this long.
 PATIENCE_MS = 2 * CHECK_IN_MS
+#: A key granted to a waiter (a release hands it over in the same atomic step) lapses
+#: unless the waiter's process claims it within this long: a waiter that died holds
+#: the key at most this long. Its process claims it as soon as the grant arrives.
+GRANT_WINDOW_MS = 1_000
+#: The other waiters of a key try again this long after a grant's window ended, so a
+#: lapsed grant is noticed (and the key granted on) without waiting for a check-in.
+RECHECK_MARGIN_MS = 25
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,3 +37,22 @@ class WaitTicket:
     @classmethod
     def new(cls) -> WaitTicket:
         return cls(id=generate_lock_id())
+
+
+@dataclass(frozen=True, slots=True)
+class Grant:
+    """A key handed to a waiter by a release: what the waiter's acquire would have
+    returned. It holds the lock from the moment the release ran."""
+
+    lock_id: str
+    fence: int
+    expires_at_ms: int
+
+    @classmethod
+    def parse(cls, fields: list[str]) -> Grant | None:
+        """From a grant message's ``<lock id> <fence> <expires>``; None if malformed."""
+        try:
+            lock_id, fence, expires = fields
+            return cls(lock_id, int(fence), int(expires))
+        except ValueError:
+            return None

@@ -119,8 +119,8 @@ class DatabaseHarness(Harness):
 
 
 # Moves time for the Redis backend: ages every lock hash of one prefix (its expiry,
-# and its last acquisition time, kept after a release, so compaction sees old
-# counters), and the deadlines of its queued wait tickets ('w:<ticket id>' =
+# its last acquisition time, kept after a release, so compaction sees old counters,
+# and a grant's claim deadline), and the deadlines of its queued wait tickets ('w:<ticket id>' =
 # '<arrival> <live until ms>').
 _AGE_REDIS = """
 local cursor = '0'
@@ -130,7 +130,7 @@ repeat
   cursor = page[1]
   for _, key in ipairs(page[2]) do
     if redis.call('TYPE', key).ok == 'hash' then
-      for _, field in ipairs({'e', 'a'}) do
+      for _, field in ipairs({'e', 'a', 'g'}) do
         if redis.call('HEXISTS', key, field) == 1 then
           redis.call('HINCRBY', key, field, -ms)
         end

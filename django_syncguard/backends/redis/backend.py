@@ -68,7 +68,7 @@ from ...keys import derived, generate_lock_id, make_storage_key
 from ...orphans import note_maybe_written, note_sent
 from ...owners import QueueStats
 from ...results import AcquireResult, ExtendResult, LockPage, LockRecord, ReleaseResult
-from ...waiting import WaitTicket, WakeUps
+from ...waiting import Grant, WaitTicket, WakeUps, tickets
 from ..base import BaseLockBackend, option_ms
 from . import slots
 from .client import (
@@ -385,8 +385,33 @@ class RedisBackend(BaseLockBackend):
             self._owner() or "",
         ]
         if ticket is not None:  # without one, the arguments are those of a plain acquire
-            args += [ticket.id, ticket.patience_ms]
+            args += [ticket.id, ticket.patience_ms, self._grant_record(args, keys, ticket)]
         return keys, args, lock_id
+
+    def _grant_record(self, args: list[Any], keys: list[str], ticket: WaitTicket) -> str:
+        """What a release needs to grant the key to this waiter (``scripts.grant``):
+        the lock id, index and floor of this attempt, and its ttl, fence mode, owner
+        and user key; "" without grants. Under ``WAIT_REPLICAS`` there are none: a
+        grant is written by the releaser's script, and the waiter could not learn
+        whether the replicas have it (it waits for its wake-up and acquires itself)."""
+        if not self.grants:
+            return ""
+        lock_id, ttl_ms, tolerance, fence_max, user_key, mode, owner = args
+        return json.dumps(
+            [
+                lock_id,
+                keys[1],
+                keys[2],
+                str(ttl_ms),
+                mode,
+                str(fence_max),
+                owner,
+                user_key,
+                str(tolerance),
+                str(tickets.GRANT_WINDOW_MS),
+            ],
+            separators=(",", ":"),
+        )
 
     def _acquired(self, reply: list[Any], key: str, lock_id: str, keys: list[str]) -> AcquireResult:
         status = int(reply[0])
@@ -394,6 +419,8 @@ class RedisBackend(BaseLockBackend):
             raise fence_overflow_error(key)
         if status == 0:
             return AcquireResult.locked(int(reply[1]) if len(reply) > 1 else None)
+        if len(reply) > 3:  # the key had been granted to this waiter: the grant's lock
+            lock_id = reply[3].decode() if isinstance(reply[3], bytes) else str(reply[3])
         if self.cluster:
             self._held_names.remember(lock_id, keys[0])
         return AcquireResult(
@@ -488,6 +515,25 @@ class RedisBackend(BaseLockBackend):
         lock_key = name.decode()
         # A hash in another slot cannot be this lock's (its acquire put both in one).
         return [index, lock_key] if slots.key_slot(lock_key) == slot else None
+
+    @property
+    def grants(self) -> bool:
+        # Not under WAIT_REPLICAS: see _grant_record.
+        return self.wake_ups_enabled and not self.wait_replicas
+
+    def granted(self, key: str, grant: Grant) -> None:
+        """A release granted ``key`` to a waiter of this process (see :meth:`claim`)."""
+        if self.cluster:
+            self._held_names.remember(grant.lock_id, self.lock_key(key))
+
+    def claim(self, grant: Grant) -> bool:
+        """Claim a grant for the waiter it was delivered to, so that it does not lapse
+        (the channel's thread calls it once the waiter is woken). False when it had
+        lapsed, or was released already."""
+        keys = self._id_keys(grant.lock_id)
+        if keys is None:
+            return False
+        return int(self._call("claim", keys, [grant.lock_id, TIME_TOLERANCE_MS])[0]) == 1
 
     def _make_wake_ups(self) -> WakeUps:
         from .wakeups import RedisWakeUps

@@ -23,7 +23,8 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 # written once, beside 'w:'; a separate field so that scripts of versions before it,
 # which parse 'w:' values, keep working beside it), 'q' = how many there are (read
 # with the lock fields, so an empty queue costs the hot path nothing) and 'n' = the
-# last arrival number handed out. 'q' and 'n' go when the queue empties. These
+# last arrival number handed out, 't:<ticket id>' = what a waiter that accepts a
+# grant asked for (a JSON array, see ``grant``). 'q' and 'n' go when the queue empties. These
 # helpers read the whole hash (HGETALL): only when 'q' says somebody waits. Scripts
 # define them inside the branch that needs them, so the path without waiters does not
 # even create their closures.
@@ -52,8 +53,10 @@ local function queue_load(h, now)
           head, first = id, arrival
         end
       else
+        local id = string.sub(name, 3)
         stale[#stale + 1] = name
-        stale[#stale + 1] = 's:' .. string.sub(name, 3)
+        stale[#stale + 1] = 's:' .. id
+        stale[#stale + 1] = 't:' .. id
       end
     end
   end
@@ -71,30 +74,88 @@ local function queue_store(h, count, stored)
     redis.call('HDEL', h, 'q', 'n')
   end
 end
--- The key is free: wake the first live waiter, if any (only it).
+-- Hand the free key h to the waiter of ticket ``head``, in this script (a grant):
+-- the lock its record 't:' asked for is written as an acquire would write it, plus
+-- 'g' = the claim deadline and 'G' = the ticket, and the grant is published as
+-- '<ticket> <lock id> <fence> <expires>'. False (nothing written) when the ticket
+-- left no record (a waiter of a version without grants) or the fence would pass the
+-- maximum: the caller only wakes it then. The record, written by ACQUIRE:
+-- {lock id, index key, floor key, ttl ms, fence mode, max fence, owner, user key,
+-- tolerance ms, grant window ms}, numbers as strings.
+local function grant(h, now, head)
+  local record = redis.call('HGET', h, 't:' .. head)
+  if not record then
+    return false
+  end
+  local r = cjson.decode(record)
+  local fence = math.max(tonumber(redis.call('HGET', h, 'f')) or 0,
+    tonumber(redis.call('GET', r[3])) or 0) + 1
+  if r[5] == 'clock' then
+    fence = math.max(fence, now)
+  end
+  if fence > tonumber(r[6]) then
+    return false
+  end
+  local expires = now + tonumber(r[4])
+  redis.call('HDEL', h, 'w:' .. head, 's:' .. head, 't:' .. head)
+  local fields = {'f', fence, 'i', r[1], 'e', expires, 'a', now,
+    'g', now + tonumber(r[10]), 'G', head}
+  if r[8] ~= '' then
+    fields[#fields + 1], fields[#fields + 2] = 'k', r[8]
+  end
+  if r[7] ~= '' then
+    fields[#fields + 1], fields[#fields + 2] = 'o', r[7]
+  else
+    redis.call('HDEL', h, 'o')
+  end
+  redis.call('HSET', h, unpack(fields))
+  redis.call('SET', r[2], h, 'PX', tonumber(r[4]) + tonumber(r[9]))
+  redis.pcall('PUBLISH', h, string.format('%s %s %d %d', head, r[1], fence, expires))
+  return true
+end
+-- The key is free: grant it to the first live waiter, or wake that waiter (only it).
 local function wake_next(h, now, stored)
   local _, count, head = queue_load(h, now)
-  queue_store(h, count, stored)
-  if head then
+  if head and grant(h, now, head) then
+    count = count - 1
+  elseif head then
     -- pcall: an ACL that denies this user channels must not fail a release whose
     -- writes are done (its waiters cannot subscribe either: they poll).
     redis.pcall('PUBLISH', h, head)
   end
+  queue_store(h, count, stored)
+end
+"""
+
+# Fragment: ``lapsed(g, now)``, whether a grant's claim deadline (field 'g', or
+# false when the lock is not an unclaimed grant) has passed: the lock is gone then,
+# whatever its expiry says (no tolerance: nobody was told it holds longer).
+_LAPSED = """
+local function lapsed(g, now)
+  return g and tonumber(g) <= now
 end
 """
 
 #: KEYS: [1] lock hash, [2] index key of the new lock id, [3] the fence floor.
 #: ARGV: [1] lock id, [2] ttl ms, [3] tolerance ms, [4] max fence, [5] user key (""
 #: when not hashed), [6] fence mode ("clock" or "counter"), [7] owner label ("" when
-#: not recorded), and for a caller with a wait ticket: [8] ticket id, [9] patience ms.
+#: not recorded), and for a caller with a wait ticket: [8] ticket id, [9] patience ms,
+#: [10] the ticket's grant record ("" when it takes no grant; see ``grant``).
 #: Returns {0} contention ({0, position} for a queued ticket), {2} fence overflow
-#: (nothing written), {1, fence, expires}.
+#: (nothing written), {1, fence, expires} taken, {1, fence, expires, lock id} when the
+#: key had been granted to this ticket (claimed: the lock id is the grant's).
 ACQUIRE = (
     _NOW
+    + _LAPSED
     + """
-local cur = redis.call('HMGET', KEYS[1], 'i', 'e', 'f', 'q')
-local free = not cur[1] or tonumber(cur[2]) <= now - tonumber(ARGV[3])
+local cur = redis.call('HMGET', KEYS[1], 'i', 'e', 'f', 'q', 'g', 'G')
 local ticket = ARGV[8] or ''
+local free = not cur[1] or tonumber(cur[2]) <= now - tonumber(ARGV[3]) or lapsed(cur[5], now)
+if not free and ticket ~= '' and cur[6] == ticket then
+  -- A release granted the key to this ticket while this attempt was on its way.
+  redis.call('HDEL', KEYS[1], 'g')
+  return {1, tonumber(cur[3]), tonumber(cur[2]), cur[1]}
+end
 if not free and ticket == '' then
   return {0}
 end
@@ -116,9 +177,18 @@ if waiting > 0 or not free then
     + _QUEUE
     + """
   local live, count, head = queue_load(KEYS[1], now)
+  if free and head ~= nil and head ~= ticket then
+    -- Free, and another waiter is first: a lease ran out, or a grant lapsed, and this
+    -- attempt is the first to notice. The key goes to that waiter now.
+    if grant(KEYS[1], now, head) then
+      live[head], count, free = nil, count - 1, false
+    else
+      redis.pcall('PUBLISH', KEYS[1], head)
+    end
+  end
   if free and (head == nil or head == ticket) then
     if live[ticket] then
-      redis.call('HDEL', KEYS[1], 'w:' .. ticket, 's:' .. ticket)
+      redis.call('HDEL', KEYS[1], 'w:' .. ticket, 's:' .. ticket, 't:' .. ticket)
       count = count - 1
     end
     queue_store(KEYS[1], count, waiting)
@@ -131,12 +201,15 @@ if waiting > 0 or not free then
       mine = redis.call('HINCRBY', KEYS[1], 'n', 1)
       count = count + 1
       redis.call('HSET', KEYS[1], 's:' .. ticket, now)
+      if (ARGV[10] or '') ~= '' then
+        redis.call('HSET', KEYS[1], 't:' .. ticket, ARGV[10])
+      end
     end
     redis.call('HSET', KEYS[1], 'w:' .. ticket, mine .. ' ' .. (now + tonumber(ARGV[9])))
     queue_store(KEYS[1], count, waiting)
     local ahead = 0
-    for _, arrival in pairs(live) do
-      if arrival < mine then
+    for id, arrival in pairs(live) do
+      if arrival < mine and id ~= ticket then
         ahead = ahead + 1
       end
     end
@@ -155,6 +228,9 @@ else
   -- script left behind during a deploy).
   redis.call('HDEL', KEYS[1], 'o')
 end
+if cur[6] then
+  redis.call('HDEL', KEYS[1], 'g', 'G')  -- a lapsed (or expired) grant taken over
+end
 redis.call('HSET', KEYS[1], unpack(fields))
 redis.call('SET', KEYS[2], KEYS[1], 'PX', tonumber(ARGV[2]) + tonumber(ARGV[3]))
 return {1, fence, expires}
@@ -163,7 +239,8 @@ return {1, fence, expires}
 
 # Fragment of RELEASE and EXTEND. KEYS: [1] index key, and on a cluster [2] the lock
 # hash the caller read from the index. ARGV: [1] lock id, [2] tolerance ms. Leaves
-# ``lock`` (the hash name) and ``cur`` = {i, e, q}.
+# ``lock`` (the hash name) and ``cur`` = {i, e, q, g}. A grant whose claim deadline
+# passed is expired.
 # Release and extend resolve the index to the lock hash, require the hash to carry
 # this lock id (specs/contract.md, Operations: the stored lock id is re-checked) and
 # to be live, then mutate: all inside one script. On a cluster the hash must be
@@ -172,16 +249,17 @@ return {1, fence, expires}
 # another key, so an index that still names it names it for this lock id).
 _RESOLVE = (
     _NOW
+    + _LAPSED
     + """
 local lock = redis.call('GET', KEYS[1])
 if not lock or (KEYS[2] and lock ~= KEYS[2]) then
   return {0}
 end
-local cur = redis.call('HMGET', lock, 'i', 'e', 'q')
+local cur = redis.call('HMGET', lock, 'i', 'e', 'q', 'g')
 if cur[1] ~= ARGV[1] then
   return {0}
 end
-if tonumber(cur[2]) <= now - tonumber(ARGV[2]) then
+if tonumber(cur[2]) <= now - tonumber(ARGV[2]) or lapsed(cur[4], now) then
   return {2}
 end
 """
@@ -190,11 +268,11 @@ end
 #: KEYS: as _RESOLVE. ARGV: [1] lock id, [2] tolerance ms.
 #: Returns {1} released, {2} expired, {0} not found. The fence 'f' and the last
 #: acquisition time 'a' stay (compaction reads 'a'). When waiters queue ('q' > 0),
-#: the first live one is woken by PUBLISH.
+#: the key is granted to the first live one (or it is woken by PUBLISH).
 RELEASE = (
     _RESOLVE
     + """
-redis.call('HDEL', lock, 'i', 'e', 'k', 'o')
+redis.call('HDEL', lock, 'i', 'e', 'k', 'o', 'g', 'G')
 redis.call('DEL', KEYS[1])
 local waiting = tonumber(cur[3]) or 0
 if waiting > 0 then
@@ -208,19 +286,29 @@ return {1}
 )
 
 #: KEYS: [1] lock hash. ARGV: [1] ticket id, [2] tolerance ms.
-#: Removes the ticket; when the key is free, wakes the (new) first live waiter.
-#: Returns 1 when the ticket was queued, else 0.
+#: Removes the ticket; when the key is free, grants it to (or wakes) the (new) first
+#: live waiter. A lock granted to the ticket (the waiter gave up before it used the
+#: grant) is released, and the key goes on to the next waiter. Returns 1 when the
+#: ticket was queued or held a grant, else 0.
 WITHDRAW = (
     _NOW
+    + _LAPSED
     + _QUEUE
     + """
-local cur = redis.call('HMGET', KEYS[1], 'i', 'e', 'q')
+local cur = redis.call('HMGET', KEYS[1], 'i', 'e', 'q', 'g', 'G')
 local waiting = tonumber(cur[3]) or 0
+if cur[1] and cur[5] == ARGV[1] then
+  redis.call('HDEL', KEYS[1], 'i', 'e', 'k', 'o', 'g', 'G')
+  if waiting > 0 then
+    wake_next(KEYS[1], now, waiting)
+  end
+  return 1
+end
 if waiting == 0 or redis.call('HDEL', KEYS[1], 'w:' .. ARGV[1]) == 0 then
   return 0
 end
-redis.call('HDEL', KEYS[1], 's:' .. ARGV[1])
-if cur[1] and tonumber(cur[2]) > now - tonumber(ARGV[2]) then
+redis.call('HDEL', KEYS[1], 's:' .. ARGV[1], 't:' .. ARGV[1])
+if cur[1] and tonumber(cur[2]) > now - tonumber(ARGV[2]) and not lapsed(cur[4], now) then
   queue_store(KEYS[1], waiting - 1, waiting)
 else
   wake_next(KEYS[1], now, waiting)
@@ -230,14 +318,30 @@ return 1
 )
 
 #: KEYS: as _RESOLVE. ARGV: [1] lock id, [2] tolerance ms, [3] ttl ms.
-#: Returns {1, expires}, {2} expired, {0} not found.
+#: Returns {1, expires}, {2} expired, {0} not found. Claims a grant (drops 'g').
 EXTEND = (
     _RESOLVE
     + """
 local expires = now + tonumber(ARGV[3])
+if cur[4] then
+  redis.call('HDEL', lock, 'g')
+end
 redis.call('HSET', lock, 'e', expires)
 redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[3]) + tonumber(ARGV[2]))
 return {1, expires}
+"""
+)
+
+#: KEYS: as _RESOLVE. ARGV: [1] lock id, [2] tolerance ms.
+#: The waiter's process claims the key granted to it: the grant no longer lapses.
+#: Returns {1} claimed (or claimed already), {2} lapsed or expired, {0} not found.
+CLAIM = (
+    _RESOLVE
+    + """
+if cur[4] then
+  redis.call('HDEL', lock, 'g')
+end
+return {1}
 """
 )
 
@@ -246,18 +350,19 @@ return {1, expires}
 #: a lock expired longer ago than the guard, after deciding the answer.
 IS_LOCKED = (
     _NOW
+    + _LAPSED
     + """
-local cur = redis.call('HMGET', KEYS[1], 'i', 'e')
+local cur = redis.call('HMGET', KEYS[1], 'i', 'e', 'g')
 if not cur[1] then
   return 0
 end
 local expires = tonumber(cur[2])
-if expires > now - tonumber(ARGV[1]) then
+if expires > now - tonumber(ARGV[1]) and not lapsed(cur[3], now) then
   return 1
 end
 local guard = tonumber(ARGV[2])
 if guard > 0 and now - expires > guard then
-  redis.call('HDEL', KEYS[1], 'i', 'e', 'k', 'o')
+  redis.call('HDEL', KEYS[1], 'i', 'e', 'k', 'o', 'g', 'G')
 end
 return 0
 """
@@ -267,9 +372,10 @@ return 0
 #: Returns {} or {i, e, a, f, k, o} ('' for a missing k or o).
 LOOKUP_BY_KEY = (
     _NOW
+    + _LAPSED
     + """
-local cur = redis.call('HMGET', KEYS[1], 'i', 'e', 'a', 'f', 'k', 'o')
-if not cur[1] or tonumber(cur[2]) <= now - tonumber(ARGV[1]) then
+local cur = redis.call('HMGET', KEYS[1], 'i', 'e', 'a', 'f', 'k', 'o', 'g')
+if not cur[1] or tonumber(cur[2]) <= now - tonumber(ARGV[1]) or lapsed(cur[7], now) then
   return {}
 end
 return {cur[1], cur[2], cur[3], cur[4], cur[5] or '', cur[6] or ''}
@@ -280,13 +386,14 @@ return {cur[1], cur[2], cur[3], cur[4], cur[5] or '', cur[6] or ''}
 #: ARGV: [1] lock id, [2] tolerance ms. Returns {} or {hash, i, e, a, f, k, o}.
 LOOKUP_BY_ID = (
     _NOW
+    + _LAPSED
     + """
 local lock = redis.call('GET', KEYS[1])
 if not lock or (KEYS[2] and lock ~= KEYS[2]) then
   return {}
 end
-local cur = redis.call('HMGET', lock, 'i', 'e', 'a', 'f', 'k', 'o')
-if cur[1] ~= ARGV[1] or tonumber(cur[2]) <= now - tonumber(ARGV[2]) then
+local cur = redis.call('HMGET', lock, 'i', 'e', 'a', 'f', 'k', 'o', 'g')
+if cur[1] ~= ARGV[1] or tonumber(cur[2]) <= now - tonumber(ARGV[2]) or lapsed(cur[7], now) then
   return {}
 end
 return {lock, cur[1], cur[2], cur[3], cur[4], cur[5] or '', cur[6] or ''}
@@ -297,11 +404,12 @@ return {lock, cur[1], cur[2], cur[3], cur[4], cur[5] or '', cur[6] or ''}
 #: Returns {now, name, i, e, a, f, k, o, name, i, ...} for the live locks among them.
 LIST_LIVE = (
     _NOW
+    + _LAPSED
     + """
 local out = {now}
 for _, name in ipairs(KEYS) do
-  local cur = redis.call('HMGET', name, 'i', 'e', 'a', 'f', 'k', 'o')
-  if cur[1] and tonumber(cur[2]) > now - tonumber(ARGV[1]) then
+  local cur = redis.call('HMGET', name, 'i', 'e', 'a', 'f', 'k', 'o', 'g')
+  if cur[1] and tonumber(cur[2]) > now - tonumber(ARGV[1]) and not lapsed(cur[7], now) then
     table.insert(out, name)
     for j = 1, 4 do table.insert(out, cur[j]) end
     table.insert(out, cur[5] or '')
@@ -362,7 +470,7 @@ for _, name in ipairs(KEYS) do
   if cur[1] and tonumber(cur[2]) < now - tonumber(ARGV[1]) then
     n = n + 1
     if ARGV[2] ~= '1' then
-      redis.call('HDEL', name, 'i', 'e', 'k', 'o')
+      redis.call('HDEL', name, 'i', 'e', 'k', 'o', 'g', 'G')
     end
   end
 end
@@ -403,7 +511,7 @@ return top
 # behind can still be compacted. Writes nothing (dry runs call it too).
 _UNHELD = """
 local function unheld(h, i, e, q, now, tolerance)
-  if i and tonumber(e) > now - tolerance then
+  if i and tonumber(e) > now - tolerance and not lapsed(redis.call('HGET', h, 'g'), now) then
     return false
   end
   if (tonumber(q) or 0) == 0 then
@@ -431,6 +539,7 @@ end
 #: gets 'a' = now; it is not idle then (now is after any cut-off).
 IDLE_COUNTERS = (
     _NOW
+    + _LAPSED
     + _UNHELD
     + """
 local cutoff, tolerance = tonumber(ARGV[1]), tonumber(ARGV[2])
@@ -461,6 +570,7 @@ return out
 #: and one that came before changed 'f' and 'a', so the delete skips that hash.
 DELETE_IDLE = (
     _NOW
+    + _LAPSED
     + _UNHELD
     + """
 local cutoff, tolerance = tonumber(ARGV[1]), tonumber(ARGV[2])
@@ -483,6 +593,7 @@ SCRIPTS = {
     "release": RELEASE,
     "withdraw": WITHDRAW,
     "extend": EXTEND,
+    "claim": CLAIM,
     "is_locked": IS_LOCKED,
     "lookup_by_key": LOOKUP_BY_KEY,
     "lookup_by_id": LOOKUP_BY_ID,

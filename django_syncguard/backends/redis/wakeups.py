@@ -45,6 +45,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ...waiting.channels import ChannelWorker, Confirmed, Event, Message, Refused
+from ...waiting.tickets import Grant
 from . import slots
 from .client import redirect_errors, redis_response_error
 
@@ -168,7 +169,10 @@ class _Subscriber:
         decode = self.connection.encoder.decode
         kind = decode(reply[0], force=True)
         if kind == self.prefix + "message":
-            return Message(decode(reply[1], force=True), decode(reply[2], force=True))
+            # '<ticket id>', or a grant: '<ticket id> <lock id> <fence> <expires>'.
+            ticket, *grant = decode(reply[2], force=True).split(" ")
+            channel = decode(reply[1], force=True)
+            return Message(channel, ticket, Grant.parse(grant) if grant else None)
         if kind not in (self.prefix + "subscribe", self.prefix + "unsubscribe"):
             return None  # ["pong", ""]
         kind = kind[len(self.prefix) :]
@@ -279,3 +283,21 @@ class RedisWakeUps(ChannelWorker):
             RedisTransport(backend),
             timeout_s=backend.operation_timeout_ms / 1000,
         )
+        self._backend = backend
+
+    def claim(self, key: str, grant: Grant) -> None:
+        """Claim a grant delivered to a waiter of this process, in this thread: the
+        waiter is already running (it does not wait for the claim). A claim that fails
+        means the grant lapsed (this process was too slow for the grant window) or the
+        hold already ended; a lapsed lock's release then reports it expired."""
+        self._backend.granted(key, grant)
+        # Let the woken waiter take the GIL first: it enters its body now, and the
+        # claim (needed within the window, not at once) must not delay it.
+        time.sleep(0)
+        try:
+            claimed = self._backend.claim(grant)
+        except Exception as exc:
+            logger.warning("Claiming a granted lock failed: %r; it lapses unless used.", exc)
+            return
+        if not claimed:
+            logger.debug("A granted lock was gone when claimed (lapsed, or released).")
