@@ -6,10 +6,11 @@ import threading
 
 import pytest
 
-from django_syncguard import InvalidArgument
+from django_syncguard import InvalidArgument, current_lock, lock, signals
 from django_syncguard.backends.memory import MemoryBackend
 from django_syncguard.owners import QueueStats
-from django_syncguard.waiting import WaitTicket
+from django_syncguard.waiting import GRANT_WINDOW_MS, WaitTicket
+from django_syncguard.waiting import tickets as waiting_tickets
 from tests.support.harness import MemoryHarness
 
 
@@ -120,3 +121,143 @@ def test_a_waiter_that_lapsed_and_came_back_waits_from_its_return(mem):
     backend.withdraw("since", ticket.id)
     assert backend.queue_stats(["since"]) == {}
     assert backend.release(held.lock_id).ok
+
+
+# ------------------------------------------------------------------ grants
+JOIN_S = 30.0  # bound for a thread that must finish; never slept
+NEVER = {"retry_delay_ms": 600_000, "backoff": "fixed", "jitter": "none", "timeout_ms": 600_000}
+
+
+def test_a_grant_lets_a_waiter_here_enter_without_another_acquire(mem, monkeypatch):
+    """The release hands the key to the waiting thread: the thread enters on the grant
+    its listener received, sending no acquire, and the release claimed the grant for
+    it (the record carries the lease's whole ttl at once)."""
+    backend = mem.backend
+    monkeypatch.setattr(waiting_tickets, "CHECK_IN_MS", 600_000)  # no check-in either
+    calls: list[bool] = []
+    acquire = backend.acquire
+
+    def counted(*args, **kwargs):
+        result = acquire(*args, **kwargs)
+        calls.append(result.ok)
+        return result
+
+    monkeypatch.setattr(backend, "acquire", counted)
+    held = acquire("granted", 60_000)
+    queued = threading.Event()
+
+    def on_contended(sender, attempt, **kwargs):
+        queued.set()
+
+    entered: dict[str, object] = {}
+
+    def body():
+        lease = current_lock()
+        entered.update(fence=lease.fence, lock_id=lease.lock_id, calls=list(calls))
+        entered["record"] = backend.lookup_raw(key="granted")
+
+    signals.lock_contended.connect(on_contended, weak=False)
+    try:
+        thread = threading.Thread(
+            target=lock,
+            args=(body,),
+            kwargs={"key": "granted", "using": backend, "ttl_ms": 45_000, **NEVER},
+        )
+        thread.start()
+        assert queued.wait(JOIN_S)
+        assert calls == [False]  # the ticketed attempt that queued (the listener came first)
+        released_at = mem.now_ms()
+        assert backend.release(held.lock_id).ok
+        thread.join(JOIN_S)
+        assert not thread.is_alive()
+    finally:
+        signals.lock_contended.disconnect(on_contended)
+    assert entered["calls"] == [False]  # entered on the grant: no acquire since
+    assert entered["fence"] == "000000000000002"
+    record = entered["record"]
+    assert record.lock_id == entered["lock_id"]
+    assert record.expires_at_ms == released_at + 45_000  # claimed
+    assert calls == [False]
+    assert backend.lookup_raw(key="granted") is None  # released on leaving
+
+
+def test_an_unclaimed_grant_lapses_after_the_window(mem):
+    """A waiter nobody listens for here (its thread or task is gone) is granted the key
+    anyway; nobody claims it, and at GRANT_WINDOW_MS it is gone for every operation,
+    without the liveness tolerance. The next waiter, told to re-check past the window,
+    takes the key with the next fence."""
+    backend = mem.backend
+    held = backend.acquire("lapse", 60_000)
+    gone, second = WaitTicket.new(), WaitTicket.new()
+    listener = backend.wake_ups.listen("lapse", second.id)
+    try:
+        assert backend.acquire("lapse", 60_000, ticket=gone).queue_position == 0
+        assert backend.acquire("lapse", 60_000, ticket=second).queue_position == 1
+        granted_at = mem.now_ms()
+        assert backend.release(held.lock_id).ok
+        assert listener.grant is None and listener.recheck_at is not None  # nudged only
+        record = backend.lookup_raw(key="lapse")
+        assert record is not None and record.fence == "000000000000002"
+        assert record.acquired_at_ms == granted_at
+
+        mem.advance(GRANT_WINDOW_MS - 1)
+        assert backend.is_locked("lapse") is True
+        assert backend.acquire("lapse", 60_000, ticket=second).queue_position == 0
+        mem.advance(1)
+        assert backend.is_locked("lapse") is False
+        assert backend.lookup_raw(key="lapse") is None
+        assert backend.lookup_raw(lock_id=record.lock_id) is None
+        assert backend.extend(record.lock_id, 60_000).reason == "expired"
+        assert backend.release(record.lock_id).reason == "expired"
+        got = backend.acquire("lapse", 60_000, ticket=second)
+        assert got.ok and got.fence == "000000000000003"
+        # The gone waiter comes back: it is behind nobody now, and queues.
+        assert backend.acquire("lapse", 60_000, ticket=gone).queue_position == 0
+        backend.withdraw("lapse", gone.id)
+        assert backend.release(got.lock_id).ok
+    finally:
+        listener.close()
+
+
+def test_an_attempt_that_crosses_its_grant_returns_and_claims_it(mem):
+    """A grant that did not reach its waiter (no listener here) is found by the
+    waiter's next attempt: that attempt returns the granted lock, claimed."""
+    backend = mem.backend
+    held = backend.acquire("crossed", 60_000)
+    ticket = WaitTicket.new()
+    assert backend.acquire("crossed", 30_000, ticket=ticket).queue_position == 0
+    granted_at = mem.now_ms()
+    assert backend.release(held.lock_id).ok
+    record = backend.lookup_raw(key="crossed")
+    assert record is not None
+    mem.advance(GRANT_WINDOW_MS - 1)
+    got = backend.acquire("crossed", 30_000, ticket=ticket)
+    assert (got.ok, got.lock_id, got.fence) == (True, record.lock_id, "000000000000002")
+    assert got.expires_at_ms == granted_at + 30_000
+    mem.advance(GRANT_WINDOW_MS)  # claimed: the window no longer applies
+    assert backend.lookup_raw(key="crossed").expires_at_ms == granted_at + 30_000
+    assert backend.release(got.lock_id).ok
+
+
+def test_a_withdrawal_gives_a_claimed_grant_back_to_the_next_waiter(mem):
+    """A waiter whose grant was claimed for it, but which gave up before using it (its
+    timeout came first), withdraws: the lock goes, and the key is granted on."""
+    backend = mem.backend
+    held = backend.acquire("given-back", 60_000)
+    first, second = WaitTicket.new(), WaitTicket.new()
+    listen_first = backend.wake_ups.listen("given-back", first.id)
+    listen_second = backend.wake_ups.listen("given-back", second.id)
+    try:
+        assert not backend.acquire("given-back", 60_000, ticket=first).ok
+        assert not backend.acquire("given-back", 60_000, ticket=second).ok
+        assert backend.release(held.lock_id).ok
+        assert listen_first.grant is not None and listen_first.grant.fence == 2
+        backend.withdraw("given-back", first.id)
+        assert backend.lookup_raw(lock_id=listen_first.grant.lock_id) is None
+        assert listen_second.grant is not None and listen_second.grant.fence == 3
+        record = backend.lookup_raw(key="given-back")
+        assert record.lock_id == listen_second.grant.lock_id
+        assert record.expires_at_ms == listen_second.grant.expires_at_ms  # claimed
+    finally:
+        listen_first.close()
+        listen_second.close()

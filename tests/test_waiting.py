@@ -144,7 +144,7 @@ def test_waiters_take_the_key_in_the_order_they_queued(mem, no_check_in):
 def test_a_lost_wake_up_costs_one_check_in_on_a_healthy_channel(mem, monkeypatch, contended):
     backend = mem.backend
     monkeypatch.setattr(waiting_module, "CHECK_IN_MS", 20)
-    monkeypatch.setattr(backend.wake_ups, "deliver", lambda key, ticket_id=None: False)
+    monkeypatch.setattr(backend.wake_ups, "deliver", lambda key, ticket_id=None, grant=None: False)
     held = backend.acquire("w:lost", 10_000)
     waiter = in_thread(lambda: lock(lambda: "ran", key="w:lost", using=backend, **NEVER))
     assert contended("w:lost").wait(JOIN_S)
@@ -154,7 +154,7 @@ def test_a_lost_wake_up_costs_one_check_in_on_a_healthy_channel(mem, monkeypatch
 
 def test_an_unhealthy_channel_falls_back_to_the_backoff_delay(mem, no_check_in, contended):
     backend = mem.backend
-    backend.wake_ups.deliver = lambda key, ticket_id=None: False  # wake-ups lost
+    backend.wake_ups.deliver = lambda key, ticket_id=None, grant=None: False  # wake-ups lost
     backend.wake_ups.reaches_other_processes = False  # and known unreliable
     held = backend.acquire("w:poll", 10_000)
     options = {"retry_delay_ms": 5, "backoff": "fixed", "timeout_ms": 600_000}
@@ -409,7 +409,7 @@ def test_wake_ups_deliver_only_to_the_named_ticket():
 
 def test_early_polls_of_the_first_waiter_do_not_use_up_max_retries(mem, no_check_in):
     backend = mem.backend
-    backend.wake_ups.deliver = lambda key, ticket_id=None: False  # nothing is delivered
+    backend.wake_ups.deliver = lambda key, ticket_id=None, grant=None: False  # nothing is delivered
     backend.wake_ups.reaches_other_processes = False  # as on SQLite across processes
     held = backend.acquire("w:polls", 10_000)
     polls = threading.Semaphore(0)

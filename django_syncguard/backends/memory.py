@@ -30,8 +30,30 @@ from ..keys import generate_lock_id
 from ..liveness import Clock, is_live, system_clock_ms
 from ..owners import QueueStats
 from ..results import AcquireResult, ExtendResult, LockPage, LockRecord, ReleaseResult
-from ..waiting import Queue, WaitTicket, WakeUps, queue_admits, queue_head
+from ..waiting import Grant, Queue, WaitTicket, WakeUps, queue_admits, queue_head
+from ..waiting.queues import unclaimed_expiry
 from .base import BaseLockBackend, BatchedCleanup
+
+
+@dataclass(frozen=True, slots=True)
+class _Request:
+    """What a queued waiter's acquire would write: a release grants the key with it."""
+
+    ttl_ms: int
+    clock: bool  # fence mode "clock"
+    owner: str | None
+
+
+@dataclass(slots=True)
+class _Granted:
+    """The lock a release granted to a waiter's ticket: until the waiter's process
+    claims it, its record carries :func:`~django_syncguard.waiting.queues.unclaimed_expiry`
+    and ``expires_at_ms`` is the lease's (None once claimed). Kept until the lock goes,
+    so that a withdrawal of the ticket gives the key back."""
+
+    ticket_id: str
+    lock_id: str
+    expires_at_ms: int | None
 
 
 @dataclass
@@ -46,6 +68,9 @@ class _Store:
     arrivals: int = 0  # numbers queue entries in arrival order
     # key -> ticket -> (its arrival number, when that place was queued, ms)
     since: dict[str, dict[str, tuple[int, int]]] = field(default_factory=dict)
+    # key -> ticket -> what its acquire would write (waiters that accept grants)
+    requests: dict[str, dict[str, _Request]] = field(default_factory=dict)
+    granted: dict[str, _Granted] = field(default_factory=dict)  # key -> its grant
     wake_ups: WakeUps = field(default_factory=lambda: WakeUps("memory"))
 
 
@@ -105,11 +130,19 @@ class MemoryBackend(BatchedCleanup, BaseLockBackend):
             self._store.floor = 0
             self._store.queues.clear()
             self._store.since.clear()
+            self._store.requests.clear()
+            self._store.granted.clear()
 
     def _make_wake_ups(self) -> WakeUps:
         # Every release of this store happens in this process: waiters sleep on an
         # event that the release sets, the condition-variable pattern across backends.
         return self._store.wake_ups
+
+    @property
+    def grants(self) -> bool:
+        # Every waiter is in this process: a grant reaches its waiter at once, and the
+        # releasing call claims it for a waiter that is listening.
+        return self.wake_ups_enabled
 
     def _acquire(
         self, key: str, ttl_ms: int, cancel: CancelToken | None, ticket: WaitTicket | None = None
@@ -119,28 +152,24 @@ class MemoryBackend(BatchedCleanup, BaseLockBackend):
             now = self.clock()
             current = store.locks.get(key)
             free = current is None or not is_live(current.expires_at_ms, now, TIME_TOLERANCE_MS)
-            take, position = self._admit(key, now, free, ticket)
+            if not free and ticket is not None:
+                crossed = self._crossed(key, ticket, now)
+                if crossed is not None:
+                    return crossed
+            if free and self._behind(key, ticket, now):
+                # Free, and another waiter is first: a lease ran out, or a grant lapsed,
+                # and this attempt is the first to notice. The key goes to that waiter.
+                self._grant_next(key, now)
+                current = store.locks.get(key)
+                free = current is None or not is_live(current.expires_at_ms, now, TIME_TOLERANCE_MS)
+            take, position = self._admit(key, now, free, ticket, ttl_ms)
             if not take:
                 return AcquireResult.locked(position)
-            clock = now if self.fence_mode == "clock" else None
-            fence = next_fence(store.fences.get(key, 0), store.floor, clock)
+            fence = self._next_fence(key, now, self._clock_mode)
             if fence > FENCE_MAX:
                 raise fence_overflow_error(key)
             check_cancel(cancel, {"key": key})  # last point before the write
-            if current is not None:
-                store.index.pop(current.lock_id, None)
-            record = LockRecord(
-                key=key,
-                lock_id=generate_lock_id(),
-                expires_at_ms=now + ttl_ms,
-                acquired_at_ms=now,
-                fence=format_fence(fence),
-                owner=self._owner(),
-            )
-            store.fences[key] = fence
-            store.acquired[key] = now
-            store.locks[key] = record
-            store.index[record.lock_id] = key
+            record = self._write(key, generate_lock_id(), now, now + ttl_ms, fence, self._owner())
             return AcquireResult(
                 ok=True,
                 lock_id=record.lock_id,
@@ -148,10 +177,54 @@ class MemoryBackend(BatchedCleanup, BaseLockBackend):
                 fence=record.fence,
             )
 
+    @property
+    def _clock_mode(self) -> bool:
+        return self.fence_mode == "clock"
+
+    def _next_fence(self, key: str, now: int, clock: bool) -> int:
+        """The key's next fence (``next_fence`` of its counter, the floor and, in clock
+        mode, ``now``). Caller holds the mutex."""
+        return next_fence(self._store.fences.get(key, 0), self._store.floor, now if clock else None)
+
+    def _write(
+        self, key: str, lock_id: str, now: int, expires_at_ms: int, fence: int, owner: str | None
+    ) -> LockRecord:
+        """Store a new lock on ``key`` (replacing a record that is no longer live), its
+        index entry and the key's counter. Caller holds the mutex."""
+        store = self._store
+        current = store.locks.get(key)
+        if current is not None:
+            store.index.pop(current.lock_id, None)
+        store.granted.pop(key, None)  # a lapsed grant taken over
+        record = LockRecord(
+            key=key,
+            lock_id=lock_id,
+            expires_at_ms=expires_at_ms,
+            acquired_at_ms=now,
+            fence=format_fence(fence),
+            owner=owner,
+        )
+        store.fences[key] = fence
+        store.acquired[key] = now
+        store.locks[key] = record
+        store.index[lock_id] = key
+        return record
+
+    def _behind(self, key: str, ticket: WaitTicket | None, now: int) -> bool:
+        """Whether a live waiter other than ``ticket`` is first in ``key``'s queue.
+        Caller holds the mutex."""
+        queue = self._store.queues.get(key)
+        if queue is None:
+            return False
+        head = queue_head(queue, now)
+        return head is not None and (ticket is None or head != ticket.id)
+
     def _admit(
-        self, key: str, now: int, free: bool, ticket: WaitTicket | None
+        self, key: str, now: int, free: bool, ticket: WaitTicket | None, ttl_ms: int
     ) -> tuple[bool, int | None]:
-        """The queue rule (see :mod:`~django_syncguard.waiting`). Caller holds the mutex."""
+        """The queue rule (see :mod:`~django_syncguard.waiting`); a ticket queued here
+        leaves what its acquire would write, for a release to grant the key with.
+        Caller holds the mutex."""
         store = self._store
         queue = store.queues.get(key)
         if queue is None and (free or ticket is None):
@@ -159,6 +232,10 @@ class MemoryBackend(BatchedCleanup, BaseLockBackend):
         queue = store.queues.setdefault(key, {})
         store.arrivals += 1
         take, position = queue_admits(queue, now, free=free, ticket=ticket, arrival=store.arrivals)
+        if not take and ticket is not None and self.grants:
+            requests = store.requests.setdefault(key, {})
+            if ticket.id not in requests:
+                requests[ticket.id] = _Request(ttl_ms, self._clock_mode, self._owner())
         # When each place still queued was handed out, for the inspector's oldest wait: a
         # renewal keeps it, a ticket that lapsed and came back (a new arrival) starts again.
         since = store.since.get(key, {})
@@ -167,34 +244,113 @@ class MemoryBackend(BatchedCleanup, BaseLockBackend):
             tid: placed[tid] if placed[tid][0] == arrival else (arrival, now)
             for tid, (arrival, _) in queue.items()
         }
-        if not queue:
-            del store.queues[key]
-            del store.since[key]
+        self._prune_requests(key)
         return take, position
 
-    def _wake_next(self, key: str, now: int) -> None:
-        """Wake the first live waiter of ``key``, now free. Caller holds the mutex."""
-        queue = self._store.queues.get(key)
+    def _prune_requests(self, key: str) -> None:
+        """Forget the queue of ``key`` when it is empty, and the requests of tickets
+        no longer in it. Caller holds the mutex."""
+        store = self._store
+        queue = store.queues.get(key)
+        if not queue:
+            store.queues.pop(key, None)
+            store.since.pop(key, None)
+            store.requests.pop(key, None)
+            return
+        requests = store.requests.get(key)
+        if requests is not None:
+            for ticket_id in [tid for tid in requests if tid not in queue]:
+                del requests[ticket_id]
+
+    def _crossed(self, key: str, ticket: WaitTicket, now: int) -> AcquireResult | None:
+        """The key granted to ``ticket`` while its attempt was on the way: that lock,
+        claimed (None when ``key`` is not held by a grant to ``ticket``). Caller holds
+        the mutex and knows the key's record is live."""
+        granted = self._store.granted.get(key)
+        record = self._store.locks[key]
+        if granted is None or granted.ticket_id != ticket.id or record.lock_id != granted.lock_id:
+            return None
+        self._claim(key, granted.lock_id, now)
+        record = self._store.locks[key]
+        return AcquireResult(
+            ok=True,
+            lock_id=record.lock_id,
+            expires_at_ms=record.expires_at_ms,
+            fence=record.fence,
+        )
+
+    def _claim(self, key: str, lock_id: str, now: int) -> bool:
+        """Claim the grant ``lock_id`` of ``key``: its record gets the lease's expiry,
+        unless it lapsed or went meanwhile (False). Caller holds the mutex."""
+        store = self._store
+        granted = store.granted.get(key)
+        record = store.locks.get(key)
+        if granted is None or record is None or not record.lock_id == granted.lock_id == lock_id:
+            return False
+        if not is_live(record.expires_at_ms, now, TIME_TOLERANCE_MS):
+            return False
+        if granted.expires_at_ms is not None:  # not claimed yet
+            store.locks[key] = dataclasses.replace(record, expires_at_ms=granted.expires_at_ms)
+            granted.expires_at_ms = None
+        return True
+
+    def _grant_next(self, key: str, now: int) -> None:
+        """``key`` is free: grant it to its first live waiter if that waiter left a
+        request (else, or at the fence's maximum, only wake it). A waiter listening
+        here gets the grant at once, and this call claims it for that waiter. Caller
+        holds the mutex."""
+        store = self._store
+        queue = store.queues.get(key)
         head = queue_head(queue, now) if queue is not None else None
-        if queue is not None and head is None:
-            del self._store.queues[key]
-            self._store.since.pop(key, None)
-        if head is not None:
-            self._store.wake_ups.deliver(key, head)
+        if head is None:
+            self._prune_requests(key)
+            return
+        request = store.requests.get(key, {}).get(head)
+        grant = None if request is None else self._grant(key, head, request, now)
+        if grant is None:
+            store.wake_ups.deliver(key, head)
+        elif store.wake_ups.deliver(key, head, grant):
+            self._claim(key, grant.lock_id, now)
+
+    def _grant(self, key: str, head: str, request: _Request, now: int) -> Grant | None:
+        """Write the lock ``request`` asks for on the free ``key``, for the waiter of
+        ticket ``head``, who leaves the queue; None (nothing written) when the fence
+        would pass the maximum. Caller holds the mutex."""
+        store = self._store
+        fence = self._next_fence(key, now, request.clock)
+        if fence > FENCE_MAX:
+            return None
+        lock_id = generate_lock_id()
+        expires = now + request.ttl_ms
+        self._write(key, lock_id, now, unclaimed_expiry(now, request.ttl_ms), fence, request.owner)
+        store.granted[key] = _Granted(head, lock_id, expires)
+        queue = store.queues[key]
+        del queue[head]
+        store.since.get(key, {}).pop(head, None)
+        self._prune_requests(key)
+        return Grant(lock_id, fence, expires)
 
     def _withdraw(self, key: str, ticket_id: str) -> None:
-        with self._store.mutex:
-            queue = self._store.queues.get(key)
+        store = self._store
+        with store.mutex:
+            now = self.clock()
+            granted = store.granted.get(key)
+            if granted is not None and granted.ticket_id == ticket_id:
+                # The waiter gave up after the key was granted to it: give it back.
+                record, _ = self._owned(granted.lock_id, now)
+                if record is not None:
+                    self._drop(record)
+                    self._grant_next(key, now)
+                    return
+            queue = store.queues.get(key)
             if queue is None or queue.pop(ticket_id, None) is None:
                 return
-            if not queue:
-                del self._store.queues[key]
-                self._store.since.pop(key, None)
+            self._prune_requests(key)
+            if key not in store.queues:
                 return
-            now = self.clock()
-            current = self._store.locks.get(key)
+            current = store.locks.get(key)
             if current is None or not is_live(current.expires_at_ms, now, TIME_TOLERANCE_MS):
-                self._wake_next(key, now)
+                self._grant_next(key, now)
 
     def _queue_stats(self, keys: list[str]) -> dict[str, QueueStats]:
         with self._store.mutex:
@@ -223,12 +379,13 @@ class MemoryBackend(BatchedCleanup, BaseLockBackend):
     def _release(self, lock_id: str, cancel: CancelToken | None) -> ReleaseResult:
         store = self._store
         with store.mutex:
-            record, reason = self._owned(lock_id, self.clock())
+            now = self.clock()
+            record, reason = self._owned(lock_id, now)
             if record is None:
                 return ReleaseResult(ok=False, reason=reason)  # type: ignore[arg-type]
             check_cancel(cancel, {"lock_id": lock_id})
             self._drop(record)
-            self._wake_next(record.key, self.clock())
+            self._grant_next(record.key, now)
             return ReleaseResult(ok=True)
 
     def _extend(self, lock_id: str, ttl_ms: int, cancel: CancelToken | None) -> ExtendResult:
@@ -241,6 +398,9 @@ class MemoryBackend(BatchedCleanup, BaseLockBackend):
             check_cancel(cancel, {"lock_id": lock_id})
             renewed = dataclasses.replace(record, expires_at_ms=now + ttl_ms)
             store.locks[record.key] = renewed
+            granted = store.granted.get(record.key)
+            if granted is not None and granted.lock_id == lock_id:
+                granted.expires_at_ms = None  # the holder's extend claims a grant
             return ExtendResult(ok=True, expires_at_ms=renewed.expires_at_ms)
 
     def _is_locked(self, key: str, cancel: CancelToken | None) -> bool:
@@ -256,9 +416,14 @@ class MemoryBackend(BatchedCleanup, BaseLockBackend):
             return live
 
     def _drop(self, record: LockRecord) -> None:
-        """Remove ``record`` and its lock-id index entry. Caller holds the mutex."""
-        del self._store.locks[record.key]
-        self._store.index.pop(record.lock_id, None)
+        """Remove ``record``, its lock-id index entry and its grant, if it was one.
+        Caller holds the mutex."""
+        store = self._store
+        del store.locks[record.key]
+        store.index.pop(record.lock_id, None)
+        granted = store.granted.get(record.key)
+        if granted is not None and granted.lock_id == record.lock_id:
+            del store.granted[record.key]
 
     def _sweepable(self, record: LockRecord, now: int) -> bool:
         """Expired by more than the cleanup guard: no extend can still be racing it."""

@@ -5,6 +5,8 @@ Firestore transaction); PostgreSQL and Redis apply the same rule server-side
 
 from __future__ import annotations
 
+from ..constants import TIME_TOLERANCE_MS
+from . import tickets
 from .tickets import WaitTicket
 
 #: A queue as a mapping ``ticket id -> (arrival number, live until ms)``: how the
@@ -39,3 +41,17 @@ def queue_admits(
     first = queue.get(ticket.id, (arrival, 0))[0]
     queue[ticket.id] = (first, now_ms + ticket.patience_ms)
     return False, sum(1 for number, _ in queue.values() if number < first)
+
+
+def unclaimed_expiry(now_ms: int, ttl_ms: int) -> int:
+    """The expiry to store for a lock granted at ``now_ms`` whose waiter has not yet
+    claimed it (the backends that decide in Python).
+
+    Liveness everywhere is ``expiry + TIME_TOLERANCE_MS > now``; this expiry makes
+    that end exactly at the claim deadline (``now_ms + GRANT_WINDOW_MS``), or at the
+    lease's own end when the ttl is shorter. So a grant nobody claims is gone for every
+    operation at its deadline, with no tolerance and no other field to consult; a
+    claim (or the holder's extend) writes the lease's expiry.
+    """
+    deadline = now_ms + tickets.GRANT_WINDOW_MS - TIME_TOLERANCE_MS
+    return min(now_ms + ttl_ms, deadline)
