@@ -140,6 +140,10 @@ class DatabaseBackend(BatchedCleanup, BaseLockBackend):
     def _make_wake_ups(self) -> WakeUps:
         return self.ops.make_wake_ups(self.alias, self._wake_up_hooks())
 
+    @property
+    def grants(self) -> bool:
+        return self.ops.grants
+
     def _queued(self, key: str) -> None:
         """A waiter's ticket was just queued: its wake-ups must reach this process (on
         PostgreSQL, LISTEN on the key's channel if that is not done yet)."""

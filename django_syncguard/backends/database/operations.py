@@ -142,6 +142,12 @@ class DatabaseOperations(ABC):
         #: Whether the backend keeps wait queues (``OPTIONS["WAKE_UPS"]``).
         self.queues = queues
 
+    @property
+    def grants(self) -> bool:
+        """Whether a release grants the key to its first live waiter
+        (``BaseLockBackend.grants``)."""
+        return False
+
     def prepare_connection(self, raw: Any) -> None:
         """Set up a new private driver connection, before Django's own set-up."""
         return  # nothing by default

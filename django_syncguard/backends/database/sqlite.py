@@ -16,6 +16,8 @@ write fail at once ("database is locked"). A commit to the queue file does not.
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import sqlite3
 import threading
@@ -37,7 +39,8 @@ from ...fencing import FENCE_MAX, format_fence
 from ...lifecycle import track
 from ...liveness import Clock, is_live, system_clock_ms
 from ...results import TimeAuthority
-from ...waiting import Queue, WaitTicket, queue_admits, queue_head
+from ...waiting import Grant, Queue, WaitTicket, queue_admits, queue_head
+from ...waiting.queues import unclaimed_expiry
 from .operations import (
     ACQUIRED,
     FENCE_OVERFLOW,
@@ -62,7 +65,18 @@ from .wakeups import DatabaseWakeUps, LocalWakeUps
 
 T = TypeVar("T")
 
+logger = logging.getLogger("django_syncguard.backends.database")
+
+#: Whether SQLite grants a released key to its first live waiter (decision 48). The
+#: waiters of other processes find their grant at their next poll (no channel reaches
+#: them); see specs/backends/database.md, SQLite, for what it costs and gains.
+GRANTS = True
+
 SELECT_LOCK = "SELECT expires_at_ms FROM syncguard_locks WHERE key = %s"
+# The key's lock and who holds it: a lock granted to a waiter and not yet claimed by
+# that waiter's next attempt is named by the waiter's ticket id (the waiter cannot
+# know a lock id drawn by the releaser; its attempt renames the lock when it claims).
+SELECT_HOLDER = "SELECT expires_at_ms, lock_id FROM syncguard_locks WHERE key = %s"
 # The key's counter and the fence floor (a row of the same table, sql.FLOOR_KEY).
 SELECT_FENCES = (
     "SELECT (SELECT fence FROM syncguard_fence_counters WHERE fence_key = %s), "
@@ -91,21 +105,49 @@ QUEUE = f"{QUEUE_SCHEMA}.syncguard_waiters"
 CREATE_QUEUE = (
     f"CREATE TABLE IF NOT EXISTS {QUEUE} (key text NOT NULL, ticket_id varchar(22) NOT NULL, "
     "arrival bigint NOT NULL, live_until_ms bigint NOT NULL, queued_at_ms bigint, "
-    "PRIMARY KEY (key, ticket_id)) WITHOUT ROWID"
+    "grant_request text, PRIMARY KEY (key, ticket_id)) WITHOUT ROWID"
 )
-# A queue file made before queued_at_ms (the inspector's oldest wait) gets the column
-# when a connection attaches it; NULL in the rows written before, or by older code.
+# A queue file made before queued_at_ms (the inspector's oldest wait) or grant_request
+# (what a release grants the key with) gets the column when a connection attaches it;
+# NULL in the rows written before, or by older code (such a waiter is only woken).
 QUEUE_COLUMNS = f"PRAGMA {QUEUE_SCHEMA}.table_info(syncguard_waiters)"
-ADD_QUEUED_AT = f"ALTER TABLE {QUEUE} ADD COLUMN queued_at_ms bigint"
+ADDED_QUEUE_COLUMNS = {
+    "queued_at_ms": f"ALTER TABLE {QUEUE} ADD COLUMN queued_at_ms bigint",
+    "grant_request": f"ALTER TABLE {QUEUE} ADD COLUMN grant_request text",
+}
 SELECT_QUEUE = f"SELECT ticket_id, arrival, live_until_ms FROM {QUEUE} WHERE key = %s"
+SELECT_REQUESTS = (
+    f"SELECT ticket_id, arrival, live_until_ms, grant_request FROM {QUEUE} WHERE key = %s"
+)
 # A renewal keeps the ticket's queueing time; a new arrival number (the ticket came
-# back after its place lapsed: it goes to the end) starts it again.
+# back after its place lapsed: it goes to the end) starts it again. The grant request
+# is written once (NULL from a caller that takes no grant).
 UPSERT_TICKET = (
-    f"INSERT INTO {QUEUE} (key, ticket_id, arrival, live_until_ms, queued_at_ms) "
-    "VALUES (%s, %s, %s, %s, %s) ON CONFLICT (key, ticket_id) DO UPDATE SET "
+    f"INSERT INTO {QUEUE} (key, ticket_id, arrival, live_until_ms, queued_at_ms, "
+    "grant_request) VALUES (%s, %s, %s, %s, %s, %s) ON CONFLICT (key, ticket_id) DO UPDATE SET "
     "queued_at_ms = CASE WHEN arrival = excluded.arrival THEN queued_at_ms "
     "ELSE excluded.queued_at_ms END, "
-    "arrival = excluded.arrival, live_until_ms = excluded.live_until_ms"
+    "arrival = excluded.arrival, live_until_ms = excluded.live_until_ms, "
+    "grant_request = coalesce(grant_request, excluded.grant_request)"
+)
+# A release with grants also says whether a live waiter is queued for the key: read in
+# the same statement (from the queue file), so a release nobody waits for costs what
+# it did.
+RELEASE_QUEUED = (
+    "DELETE FROM syncguard_locks WHERE lock_id = %s AND expires_at_ms > %s "
+    f"RETURNING key, coalesce(user_key, key), EXISTS (SELECT 1 FROM {QUEUE} w "
+    "WHERE w.key = syncguard_locks.key AND w.live_until_ms > %s)"
+)
+# The waiter's attempt claims the lock granted to its ticket: the lock takes this
+# attempt's lock id and the lease's expiry. Parameters: lock id, ttl ms, storage key,
+# ticket id, live after (now - tolerance).
+CLAIM_CROSSED = (
+    "UPDATE syncguard_locks SET lock_id = %s, expires_at_ms = acquired_at_ms + %s "
+    "WHERE key = %s AND lock_id = %s AND expires_at_ms > %s RETURNING fence, expires_at_ms"
+)
+# A waiter that gives up gives back the key granted to its ticket (claimed or not).
+WITHDRAW_GRANT = (
+    "DELETE FROM syncguard_locks WHERE key = %s AND lock_id = %s AND expires_at_ms > %s RETURNING 1"
 )
 DELETE_TICKET = f"DELETE FROM {QUEUE} WHERE key = %s AND ticket_id = %s"
 PRUNE_QUEUE = f"DELETE FROM {QUEUE} WHERE key = %s AND live_until_ms <= %s"
@@ -265,6 +307,10 @@ class SqliteOperations(DatabaseOperations):
     def now_ms(self) -> int:
         return self.clock()
 
+    @property
+    def grants(self) -> bool:
+        return self.queues and GRANTS
+
     def acquire(
         self,
         keys: StorageKeys,
@@ -294,27 +340,51 @@ class SqliteOperations(DatabaseOperations):
         """Acquire in one transaction that holds the database lock from its start, so
         no other writer runs between the reads and the writes. A ticket for a held key,
         or one that is not first in line, is queued in a transaction of the queue file
-        alone."""
-        if not self._begin_unless_held(cursor, keys.storage_key, ticket):
-            if ticket is None:
-                return LOCKED, None, None, None
-            return LOCKED, None, None, self._enqueue(cursor, keys.storage_key, ticket)
-        try:
-            reply, wrote = self._read_then_write(
-                cursor, keys, lock_id, ttl_ms, check_cancel, ticket, clock, owner
+        alone. With grants, a ticket that finds the key granted to it claims that lock
+        instead, and an attempt that finds the key free behind another waiter grants it
+        to that waiter first."""
+        request = None
+        if ticket is not None and self.grants:
+            request = json.dumps(
+                [ttl_ms, int(clock), owner, keys.user_key, keys.fence_key], separators=(",", ":")
             )
-            cursor.execute("COMMIT" if wrote else "ROLLBACK")
-            return reply
-        except BaseException:
-            with suppress(Exception):
-                cursor.execute("ROLLBACK")
-            raise
+        state = self._begin_unless_held(cursor, keys.storage_key, ticket)
+        if state == _BEGUN:
+            try:
+                reply, wrote = self._read_then_write(
+                    cursor, keys, lock_id, ttl_ms, check_cancel, ticket, clock, owner, request
+                )
+                cursor.execute("COMMIT" if wrote else "ROLLBACK")
+                return reply
+            except BaseException:
+                with suppress(Exception):
+                    cursor.execute("ROLLBACK")
+                raise
+        if state == _GRANTED and ticket is not None:
+            claimed = self._claim_crossed(cursor, keys, lock_id, ttl_ms, ticket, check_cancel)
+            if claimed is not None:
+                return claimed
+        elif state == _BEHIND_GRANTABLE:
+            # Free, and another waiter is first: a lease ran out, or a grant lapsed, and
+            # this attempt is the first to notice. The key goes to that waiter now.
+            self._grant_next(cursor, keys.user_key or keys.storage_key, keys.storage_key)
+        if ticket is None:
+            return LOCKED, None, None, None
+        crossed, position = self._enqueue(cursor, keys.storage_key, ticket, request)
+        if crossed:
+            claimed = self._claim_crossed(cursor, keys, lock_id, ttl_ms, ticket, check_cancel)
+            if claimed is not None:
+                return claimed
+            position = 0  # the grant lapsed meanwhile: try again soon
+        return LOCKED, None, None, position
 
     def _begin_unless_held(
         self, cursor: Any, storage_key: str, ticket: WaitTicket | None = None
-    ) -> bool:
-        """``BEGIN IMMEDIATE``, unless the key's lock is live or another live waiter is
-        first in its queue (then False, and the database's write lock was never taken).
+    ) -> str:
+        """``BEGIN IMMEDIATE`` (``_BEGUN``), unless the key's lock is live (``_HELD``,
+        or ``_GRANTED`` when it was granted to ``ticket``) or another live waiter is
+        first in its queue (``_BEHIND``, or ``_BEHIND_GRANTABLE`` when the key is free
+        for a grant to that waiter); then the database's write lock was never taken.
 
         The key is read before each try for the write lock, and a try does not wait
         (busy timeout 0); between tries the key is read again, for as long as the
@@ -330,27 +400,35 @@ class SqliteOperations(DatabaseOperations):
             while True:
                 try:
                     now = self.clock()
-                    if self._live(cursor, storage_key, now) or self._not_first(
-                        cursor, storage_key, ticket, now
-                    ):
-                        return False
+                    holder = fetch_row(cursor, SELECT_HOLDER, [storage_key])
+                    if holder is not None and is_live(int(holder[0]), now, TIME_TOLERANCE_MS):
+                        granted = ticket is not None and holder[1] == ticket.id
+                        return _GRANTED if granted else _HELD
+                    behind = self._behind(cursor, storage_key, ticket, now)
+                    if behind is not None:
+                        return behind
                     cursor.execute("BEGIN IMMEDIATE")
-                    return True
+                    return _BEGUN
                 except OperationalError as exc:
                     if "is locked" not in str(exc) or time.monotonic() + pause > deadline:
                         raise
                 time.sleep(pause)
                 pause = min(2 * pause, WRITE_LOCK_PAUSE_MAX_S)
 
-    def _not_first(
+    def _behind(
         self, cursor: Any, storage_key: str, ticket: WaitTicket | None, now: int
-    ) -> bool:
-        """Whether a live waiter other than ``ticket`` is first in the key's queue (a
-        read outside any transaction; the acquire's transaction decides again)."""
+    ) -> str | None:
+        """``_BEHIND`` when a live waiter other than ``ticket`` is first in the key's
+        queue (``_BEHIND_GRANTABLE`` when that waiter left a grant request and this
+        backend grants), else None (a read outside any transaction; the acquire's
+        transaction decides again)."""
         if not self.queues:
-            return False
-        head = queue_head(_read_queue(cursor, storage_key), now)
-        return head is not None and (ticket is None or head != ticket.id)
+            return None
+        queue, requests = _read_requests(cursor, storage_key)
+        head = queue_head(queue, now)
+        if head is None or (ticket is not None and head == ticket.id):
+            return None
+        return _BEHIND_GRANTABLE if self.grants and requests.get(head) else _BEHIND
 
     @staticmethod
     def _live(cursor: Any, storage_key: str, now: int) -> bool:
@@ -368,18 +446,25 @@ class SqliteOperations(DatabaseOperations):
         ticket: WaitTicket | None,
         clock: bool,
         owner: str | None = None,
+        request: str | None = None,
     ) -> tuple[AcquireReply, bool]:
         """The acquire's reads and writes inside its transaction; the reply, and whether
         anything was written (to commit). The fence is ``next_fence`` of the counter
-        and the floor, read together, and of this machine's clock in clock mode."""
+        and the floor, read together, and of this machine's clock in clock mode. A key
+        granted to ``ticket`` since the first read is claimed."""
         now = self.clock()
-        live = self._live(cursor, keys.storage_key, now)
+        holder = fetch_row(cursor, SELECT_HOLDER, [keys.storage_key])
+        live = holder is not None and is_live(int(holder[0]), now, TIME_TOLERANCE_MS)
+        if live and ticket is not None and holder is not None and holder[1] == ticket.id:
+            claimed = self._claim_crossed(cursor, keys, lock_id, ttl_ms, ticket, check_cancel)
+            if claimed is not None:
+                return claimed, True
         take, position, before, queue = _queue_rule(
             cursor, keys.storage_key, now, free=not live, ticket=ticket, stored=self.queues
         )
         if not take:
             check_cancel()  # before the queue's writes
-            wrote = _write_queue(cursor, keys.storage_key, before, queue, now)
+            wrote = _write_queue(cursor, keys.storage_key, before, queue, now, request)
             return (LOCKED, None, None, position), wrote
         last, floor = fetch_one(cursor, SELECT_FENCES, [keys.fence_key, FLOOR_KEY])
         fence = next_fence(int(last or 0), int(floor or 0), now if clock else None)
@@ -402,19 +487,51 @@ class SqliteOperations(DatabaseOperations):
         cursor.execute(UPSERT_FENCE, [keys.fence_key, fence, now])
         return (ACQUIRED, fence, now + ttl_ms, None), True
 
-    def _enqueue(self, cursor: Any, storage_key: str, ticket: WaitTicket) -> int | None:
+    def _claim_crossed(
+        self,
+        cursor: Any,
+        keys: StorageKeys,
+        lock_id: str,
+        ttl_ms: int,
+        ticket: WaitTicket,
+        check_cancel: Callable[[], None],
+    ) -> AcquireReply | None:
+        """The key was granted to ``ticket`` while this attempt was on its way: claim
+        that lock, which takes this attempt's ``lock_id`` and the lease's expiry (its
+        acquisition time, the grant's, plus ``ttl_ms``). None when the grant lapsed or
+        went meanwhile."""
+        check_cancel()  # before the write: unclaimed, the grant lapses by itself
+        params = [lock_id, ttl_ms, keys.storage_key, ticket.id, self.clock() - TIME_TOLERANCE_MS]
+        row = fetch_row(cursor, CLAIM_CROSSED, params)
+        if row is None:
+            return None
+        return ACQUIRED, int(row[0]), int(row[1]), None
+
+    def _enqueue(
+        self, cursor: Any, storage_key: str, ticket: WaitTicket, request: str | None = None
+    ) -> tuple[bool, int | None]:
         """Queue (or renew) ``ticket`` for the held key, in a transaction that writes
         the queue file only; its first statement, which prunes the key's stale
         tickets, takes that file's write lock before anything is read from it. Returns
-        the ticket's place among the live waiters."""
+        whether the key is granted to the ticket (then nothing is queued: a grant takes
+        the queue file's write lock too, so this read sees it whole), and otherwise the
+        ticket's place among the live waiters."""
         with _transaction(cursor, "BEGIN"):
             now = self.clock()
             cursor.execute(PRUNE_QUEUE, [storage_key, now])
+            if self.grants:
+                holder = fetch_row(cursor, SELECT_HOLDER, [storage_key])
+                if (
+                    holder is not None
+                    and holder[1] == ticket.id
+                    and is_live(int(holder[0]), now, TIME_TOLERANCE_MS)
+                ):
+                    return True, None
             _, position, before, queue = _queue_rule(
                 cursor, storage_key, now, free=False, ticket=ticket
             )
-            _write_queue(cursor, storage_key, before, queue, now)
-            return position
+            _write_queue(cursor, storage_key, before, queue, now, request)
+            return False, position
 
     def prepare_connection(self, raw: Any) -> None:
         """Attach the queue file to a new private connection (with queues on)."""
@@ -427,13 +544,15 @@ class SqliteOperations(DatabaseOperations):
             raw.execute(f"PRAGMA {QUEUE_SCHEMA}.journal_mode = WAL")
         raw.execute(f"PRAGMA {QUEUE_SCHEMA}.synchronous = OFF")
         raw.execute(CREATE_QUEUE)
-        if not _has_queued_at(raw):
+        for column, add in ADDED_QUEUE_COLUMNS.items():
+            if column in _queue_columns(raw):
+                continue
             try:
-                raw.execute(ADD_QUEUED_AT)
+                raw.execute(add)
             except (OperationalError, sqlite3.OperationalError):
                 # Another connection added it first: fine. Anything else ("database
                 # is locked") fails this connection's set-up; the next call retries.
-                if not _has_queued_at(raw):
+                if column not in _queue_columns(raw):
                     raise
 
     def _name(self) -> str:
@@ -441,17 +560,29 @@ class SqliteOperations(DatabaseOperations):
 
     def release(self, lock_id: str) -> tuple[bool, bool]:
         now = self.clock()
+        grants = self.grants
+        sql, params = (
+            (RELEASE_QUEUED, [lock_id, now - TIME_TOLERANCE_MS, now])
+            if grants
+            else (
+                RELEASE,
+                [lock_id, now - TIME_TOLERANCE_MS],
+            )
+        )
 
         def release(cursor: Any) -> tuple[Row | None, bool]:
-            row = fetch_row(cursor, RELEASE, [lock_id, now - TIME_TOLERANCE_MS])
+            row = fetch_row(cursor, sql, params)
             if row is not None:
                 return row, True
             return None, fetch_value(cursor, EXISTS_ID, [lock_id]) is not None
 
-        deleted, existed = self.run(release)  # (storage key, key) of the deleted lock
+        deleted, existed = self.run(release)  # (storage key, key[, waited]) of the lock
         if deleted is None:
             return False, existed
-        self._wake_next(str(deleted[1]), str(deleted[0]), now)
+        if not grants:
+            self._wake_next(str(deleted[1]), str(deleted[0]), now)
+        elif deleted[2]:
+            self._hand_on(str(deleted[1]), str(deleted[0]))
         return True, True
 
     def withdraw(self, keys: StorageKeys, key: str, ticket_id: str) -> None:
@@ -459,20 +590,94 @@ class SqliteOperations(DatabaseOperations):
             return
         params = [keys.storage_key, ticket_id]
         if self.run(lambda c: fetch_value(c, WITHDRAW, params)) is None:
+            if not self.grants:
+                return
+            # Not queued: the key may have been granted to the ticket (claimed here, or
+            # not yet by anyone). The waiter gave up: the lock goes, the key is granted on.
+            grant = [keys.storage_key, ticket_id, self.clock() - TIME_TOLERANCE_MS]
+            if self.run(lambda c: fetch_value(c, WITHDRAW_GRANT, grant)) is not None:
+                self._hand_on(key, keys.storage_key)
             return
         now = self.clock()
         if not self.run(lambda c: self._live(c, keys.storage_key, now)):
-            self._wake_next(key, keys.storage_key, now)
+            if self.grants:
+                self._hand_on(key, keys.storage_key)
+            else:
+                self._wake_next(key, keys.storage_key, now)
+
+    def _local(self) -> LocalWakeUps | None:
+        """This process's wake-ups for the database file (None: nobody waits here)."""
+        return _local_wake_ups.by_path.get(queue_file(self._name())) if self.queues else None
 
     def _wake_next(self, key: str, storage_key: str, now: int) -> None:
         """Wake the first live waiter of the free ``key``, if it waits in this process
-        (no other process can be reached: they poll)."""
-        wake_ups = _local_wake_ups.by_path.get(queue_file(self._name())) if self.queues else None
+        (no other process can be reached: they poll). Without grants."""
+        wake_ups = self._local()
         if wake_ups is None or not wake_ups.waiting_on(key):
             return
         head = queue_head(self.run(lambda c: _read_queue(c, storage_key)), now)
         if head is not None:
             wake_ups.deliver(key, head)
+
+    def _hand_on(self, key: str, storage_key: str) -> None:
+        """After a release or a withdrawal that freed ``key``: grant it to its first live
+        waiter (:meth:`_grant_next`). The release is done whatever happens here: should
+        the grant fail, the first waiter takes the key itself at its next poll."""
+        try:
+            self.run(lambda c: self._grant_next(c, key, storage_key))
+        except Exception as exc:
+            logger.warning("Granting a released key to its next waiter failed: %r", exc)
+
+    def _grant_next(self, cursor: Any, key: str, storage_key: str) -> None:
+        """Grant the free ``key`` to its first live waiter, in a transaction that holds
+        both files' write locks (read and written again inside it: nothing is granted
+        when the key was taken meanwhile), then tell that waiter if it waits in this
+        process (a waiter elsewhere finds the grant at its next poll)."""
+        wake_ups = self._local()
+        with _transaction(cursor, "BEGIN IMMEDIATE"):
+            granted = self._grant(cursor, key, storage_key, self.clock(), wake_ups)
+        if granted is not None and wake_ups is not None:
+            head, grant = granted
+            wake_ups.deliver(key, head, grant)
+
+    def _grant(
+        self, cursor: Any, key: str, storage_key: str, now: int, wake_ups: LocalWakeUps | None
+    ) -> tuple[str, Grant | None] | None:
+        """Inside the grant's transaction: write the lock that the first live waiter's
+        request asks for, named by its ticket id, and take the ticket out of the queue.
+        Returns ``(ticket, grant)``, ``(ticket, None)`` when that waiter is only to be
+        woken (no request: a waiter of an older version; or the fence would pass the
+        maximum), or None (the key is held, or nobody waits).
+
+        A waiter of this process is listening: the grant reaches it in this thread, so
+        it is claimed as it is written (the lease's expiry). Otherwise the lock carries
+        the unclaimed expiry, and lapses at the claim deadline unless the waiter's next
+        attempt claims it."""
+        if self._live(cursor, storage_key, now):
+            return None
+        queue, requests = _read_requests(cursor, storage_key)
+        head = queue_head(queue, now)
+        if head is None:
+            return None
+        request = requests.get(head)
+        if not request:
+            return head, None
+        ttl_ms, clock, owner, user_key, fence_key = json.loads(request)
+        last, floor = fetch_one(cursor, SELECT_FENCES, [fence_key, FLOOR_KEY])
+        fence = next_fence(int(last or 0), int(floor or 0), now if clock else None)
+        if fence > FENCE_MAX:
+            return head, None
+        here = wake_ups is not None and any(
+            listener.ticket_id == head for listener in wake_ups.listeners_of(key)
+        )
+        expires = now + int(ttl_ms)
+        stored = expires if here else unclaimed_expiry(now, int(ttl_ms))
+        cursor.execute(
+            UPSERT_LOCK, [storage_key, head, stored, now, format_fence(fence), user_key, owner]
+        )
+        cursor.execute(UPSERT_FENCE, [fence_key, fence, now])
+        cursor.execute(DELETE_TICKET, [storage_key, head])
+        return head, Grant(head, fence, expires)
 
     def make_wake_ups(self, name: str, hooks: WakeUpHooks) -> DatabaseWakeUps:
         # One registry per database file in this process: a release through any backend
@@ -633,15 +838,29 @@ def _queue_rule(
     return take, position, before, queue
 
 
-def _write_queue(cursor: Any, storage_key: str, before: Queue, after: Queue, now: int) -> bool:
-    """Store what the queue rule changed (a new place queued at ``now``); whether it
+def _read_requests(cursor: Any, storage_key: str) -> tuple[Queue, dict[str, str | None]]:
+    """The key's queue, as :func:`_read_queue`, and each ticket's grant request."""
+    cursor.execute(SELECT_REQUESTS, [storage_key])
+    queue: Queue = {}
+    requests: dict[str, str | None] = {}
+    for ticket, arrival, until, request in cursor.fetchall():
+        queue[str(ticket)] = (int(arrival), int(until))
+        requests[str(ticket)] = request
+    return queue, requests
+
+
+def _write_queue(
+    cursor: Any, storage_key: str, before: Queue, after: Queue, now: int, request: str | None = None
+) -> bool:
+    """Store what the queue rule changed (a new place queued at ``now``, with the
+    caller's grant ``request``: the rule changes no other ticket's place); whether it
     changed anything."""
     gone = [ticket for ticket in before if ticket not in after]
     changed = [(t, entry) for t, entry in after.items() if before.get(t) != entry]
     for ticket in gone:
         cursor.execute(DELETE_TICKET, [storage_key, ticket])
     for ticket, (arrival, until) in changed:
-        cursor.execute(UPSERT_TICKET, [storage_key, ticket, arrival, until, now])
+        cursor.execute(UPSERT_TICKET, [storage_key, ticket, arrival, until, now, request])
     return bool(gone or changed)
 
 
@@ -660,6 +879,15 @@ class _LocalRegistries:
 
 
 _local_wake_ups = _LocalRegistries()
+
+# What SqliteOperations._begin_unless_held found (see there).
+_BEGUN, _HELD, _GRANTED, _BEHIND, _BEHIND_GRANTABLE = (
+    "begun",
+    "held",
+    "granted",
+    "behind",
+    "behind, grantable",
+)
 
 
 def _with_busy_timeout(timeout_ms: int, work: Callable[[Any], T], cursor: Any) -> T:
@@ -736,6 +964,6 @@ def caller_transaction_holds(database: str, *, wal: bool) -> bool:
     return bool(watch and (watch.wrote or (watch.read and not wal)))
 
 
-def _has_queued_at(raw: Any) -> bool:
-    """Whether the attached queue file has the ``queued_at_ms`` column."""
-    return any(row[1] == "queued_at_ms" for row in raw.execute(QUEUE_COLUMNS).fetchall())
+def _queue_columns(raw: Any) -> set[str]:
+    """The columns of the attached queue file's table."""
+    return {str(row[1]) for row in raw.execute(QUEUE_COLUMNS).fetchall()}
