@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from functools import partial
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, TypeAlias, TypeVar
 
 from django.core import checks
 from django.db import OperationalError, connections
@@ -66,6 +66,10 @@ from .wakeups import DatabaseWakeUps, LocalWakeUps
 T = TypeVar("T")
 
 logger = logging.getLogger("django_syncguard.backends.database")
+
+#: What a grant step did: ``(ticket, grant)``, or ``(ticket, None)`` when the first
+#: waiter is only to be woken.
+Granted: TypeAlias = tuple[str, Grant | None]
 
 #: Whether SQLite grants a released key to its first live waiter (decision 48). The
 #: waiters of other processes find their grant at their next poll (no channel reaches
@@ -144,6 +148,12 @@ RELEASE_QUEUED = (
 CLAIM_CROSSED = (
     "UPDATE syncguard_locks SET lock_id = %s, expires_at_ms = acquired_at_ms + %s "
     "WHERE key = %s AND lock_id = %s AND expires_at_ms > %s RETURNING fence, expires_at_ms"
+)
+# Whether a live waiter is queued for the key of the lock a release names (read before
+# the release, to make the release and the grant one transaction when one is).
+WAITED = (
+    f"SELECT EXISTS (SELECT 1 FROM syncguard_locks l JOIN {QUEUE} w ON w.key = l.key "
+    "WHERE l.lock_id = %s AND w.live_until_ms > %s)"
 )
 # A waiter that gives up gives back the key granted to its ticket (claimed or not).
 WITHDRAW_GRANT = (
@@ -456,7 +466,9 @@ class SqliteOperations(DatabaseOperations):
         holder = fetch_row(cursor, SELECT_HOLDER, [keys.storage_key])
         live = holder is not None and is_live(int(holder[0]), now, TIME_TOLERANCE_MS)
         if live and ticket is not None and holder is not None and holder[1] == ticket.id:
-            claimed = self._claim_crossed(cursor, keys, lock_id, ttl_ms, ticket, check_cancel)
+            claimed = self._claim_crossed(
+                cursor, keys, lock_id, ttl_ms, ticket, check_cancel, in_transaction=True
+            )
             if claimed is not None:
                 return claimed, True
         take, position, before, queue = _queue_rule(
@@ -495,14 +507,26 @@ class SqliteOperations(DatabaseOperations):
         ttl_ms: int,
         ticket: WaitTicket,
         check_cancel: Callable[[], None],
+        *,
+        in_transaction: bool = False,
     ) -> AcquireReply | None:
         """The key was granted to ``ticket`` while this attempt was on its way: claim
         that lock, which takes this attempt's ``lock_id`` and the lease's expiry (its
         acquisition time, the grant's, plus ``ttl_ms``). None when the grant lapsed or
-        went meanwhile."""
+        went meanwhile.
+
+        Outside a transaction the claim commits without waiting for the disk
+        (``synchronous = NORMAL`` for its one statement): it writes no fence (the grant
+        that did was durable), and the power cut that could lose it also ends the
+        holder, every process of an SQLite database being on one machine. Without it,
+        a hand-off to another process cost one more synced commit than before grants."""
         check_cancel()  # before the write: unclaimed, the grant lapses by itself
         params = [lock_id, ttl_ms, keys.storage_key, ticket.id, self.clock() - TIME_TOLERANCE_MS]
-        row = fetch_row(cursor, CLAIM_CROSSED, params)
+        if in_transaction:
+            row = fetch_row(cursor, CLAIM_CROSSED, params)
+        else:
+            with _synchronous(cursor, "NORMAL"):
+                row = fetch_row(cursor, CLAIM_CROSSED, params)
         if row is None:
             return None
         return ACQUIRED, int(row[0]), int(row[1]), None
@@ -560,29 +584,51 @@ class SqliteOperations(DatabaseOperations):
 
     def release(self, lock_id: str) -> tuple[bool, bool]:
         now = self.clock()
-        grants = self.grants
-        sql, params = (
-            (RELEASE_QUEUED, [lock_id, now - TIME_TOLERANCE_MS, now])
-            if grants
-            else (
-                RELEASE,
-                [lock_id, now - TIME_TOLERANCE_MS],
-            )
-        )
+        if not self.grants:
+            return self._release_and_wake(lock_id, now)
+        wake_ups = self._local()
+
+        def release(cursor: Any) -> tuple[Row | None, bool, Granted | None]:
+            if not fetch_value(cursor, WAITED, [lock_id, now]):
+                # Nobody waits: one statement, which says whether a waiter queued since.
+                row = fetch_row(cursor, RELEASE_QUEUED, [lock_id, now - TIME_TOLERANCE_MS, now])
+            else:
+                # The release and the grant in one transaction: one commit, and no
+                # attempt sees the key free in between.
+                with _transaction(cursor, "BEGIN IMMEDIATE"):
+                    row = fetch_row(cursor, RELEASE, [lock_id, now - TIME_TOLERANCE_MS])
+                    if row is not None:
+                        key, storage_key = str(row[1]), str(row[0])
+                        return row, True, self._grant(cursor, key, storage_key, now, wake_ups)
+            if row is None:
+                return None, fetch_value(cursor, EXISTS_ID, [lock_id]) is not None, None
+            return row, True, None
+
+        deleted, existed, granted = self.run(release)  # (storage key, key[, waited])
+        if deleted is None:
+            return False, existed
+        if granted is not None:
+            if wake_ups is not None:
+                wake_ups.deliver(str(deleted[1]), *granted)
+        elif len(deleted) > 2 and deleted[2]:  # a waiter queued between the two reads
+            self._hand_on(str(deleted[1]), str(deleted[0]))
+        return True, True
+
+    def _release_and_wake(self, lock_id: str, now: int) -> tuple[bool, bool]:
+        """Release without grants: delete the lock, then wake its key's first waiter if
+        it waits in this process."""
+        params = [lock_id, now - TIME_TOLERANCE_MS]
 
         def release(cursor: Any) -> tuple[Row | None, bool]:
-            row = fetch_row(cursor, sql, params)
+            row = fetch_row(cursor, RELEASE, params)
             if row is not None:
                 return row, True
             return None, fetch_value(cursor, EXISTS_ID, [lock_id]) is not None
 
-        deleted, existed = self.run(release)  # (storage key, key[, waited]) of the lock
+        deleted, existed = self.run(release)  # (storage key, key) of the deleted lock
         if deleted is None:
             return False, existed
-        if not grants:
-            self._wake_next(str(deleted[1]), str(deleted[0]), now)
-        elif deleted[2]:
-            self._hand_on(str(deleted[1]), str(deleted[0]))
+        self._wake_next(str(deleted[1]), str(deleted[0]), now)
         return True, True
 
     def withdraw(self, keys: StorageKeys, key: str, ticket_id: str) -> None:
@@ -642,7 +688,7 @@ class SqliteOperations(DatabaseOperations):
 
     def _grant(
         self, cursor: Any, key: str, storage_key: str, now: int, wake_ups: LocalWakeUps | None
-    ) -> tuple[str, Grant | None] | None:
+    ) -> Granted | None:
         """Inside the grant's transaction: write the lock that the first live waiter's
         request asks for, named by its ticket id, and take the ticket out of the queue.
         Returns ``(ticket, grant)``, ``(ticket, None)`` when that waiter is only to be
@@ -662,7 +708,10 @@ class SqliteOperations(DatabaseOperations):
         request = requests.get(head)
         if not request:
             return head, None
-        ttl_ms, clock, owner, user_key, fence_key = json.loads(request)
+        try:
+            ttl_ms, clock, owner, user_key, fence_key = json.loads(request)
+        except (TypeError, ValueError):  # not a request of ours: only wake that waiter
+            return head, None
         last, floor = fetch_one(cursor, SELECT_FENCES, [fence_key, FLOOR_KEY])
         fence = next_fence(int(last or 0), int(floor or 0), now if clock else None)
         if fence > FENCE_MAX:
@@ -800,6 +849,18 @@ def _busy_timeout(cursor: Any, timeout_ms: int) -> Iterator[int]:
         yield before
     finally:
         cursor.execute(f"PRAGMA busy_timeout = {before}")
+
+
+@contextmanager
+def _synchronous(cursor: Any, level: str) -> Iterator[None]:
+    """SQLite's ``synchronous`` at ``level`` for the block (outside any transaction),
+    then as it was."""
+    before = int(fetch_value(cursor, "PRAGMA synchronous", []))
+    cursor.execute(f"PRAGMA synchronous = {level}")
+    try:
+        yield
+    finally:
+        cursor.execute(f"PRAGMA synchronous = {before}")
 
 
 def queue_file(name: str) -> str:
