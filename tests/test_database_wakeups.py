@@ -15,6 +15,7 @@ import logging
 import multiprocessing
 import os
 import random
+import signal
 import threading
 import time
 import uuid
@@ -30,11 +31,16 @@ from django_syncguard import InvalidArgument, current_lock, generate_lock_id, lo
 from django_syncguard.backends.database import DatabaseBackend
 from django_syncguard.backends.database.sqlite import QUEUE, queue_file
 from django_syncguard.backends.database.wakeups import DEAF_WARNING, channel_name
+from django_syncguard.constants import TIME_TOLERANCE_MS
+from django_syncguard.liveness import FakeClock
 from django_syncguard.results import AcquireResult
-from django_syncguard.waiting import WaitTicket
+from django_syncguard.waiting import GRANT_WINDOW_MS, WaitTicket
 from django_syncguard.waiting import channels as channels_module
+from django_syncguard.waiting import session as session_module
+from django_syncguard.waiting import tickets as tickets_module
 from tests.support import wakeup_workers
 from tests.support.faults import wait_until
+from tests.support.harness import SqliteHarness
 from tests.support.proxy import FaultProxy
 
 TTL = 60_000
@@ -746,3 +752,249 @@ def queue_columns(backend: DatabaseBackend) -> set[str]:
         str(row[1])
         for row in query(backend, "PRAGMA syncguard_queue.table_info(syncguard_waiters)", [])
     }
+
+
+# ------------------------------------------------------------- SQLite grants
+NEVER = {"retry_delay_ms": 600_000, "backoff": "fixed", "jitter": "none", "timeout_ms": 600_000}
+
+
+def lock_row(backend: DatabaseBackend, key: str) -> tuple[Any, ...] | None:
+    """(lock id, expires_at_ms, acquired_at_ms, fence) of the key's row, live or not."""
+    rows = query(
+        backend,
+        "SELECT lock_id, expires_at_ms, acquired_at_ms, fence FROM syncguard_locks WHERE key = %s",
+        [key],
+    )
+    return rows[0] if rows else None
+
+
+@pytest.fixture
+def lite() -> Iterator[SqliteHarness]:
+    """The SQLite harness, on a clock that stands still: ``advance`` ages the rows, so
+    a test moves time to the millisecond."""
+    h = SqliteHarness()
+    h.backend.ops.clock = FakeClock(h.backend.now_ms())
+    yield h
+    h.close()
+
+
+@on_sqlite
+def test_sqlite_grants_the_key_to_a_waiter_here_which_enters_without_another_acquire(
+    monkeypatch,
+):
+    """A waiter of this process, and the release here: the release grants it the key,
+    claimed as written (the lease's whole ttl at once), and the waiter enters on the
+    grant its listener received, without another acquire."""
+    backend = build("default")
+    # Neither a poll by place in line nor a check-in can end the wait: only the grant.
+    monkeypatch.setattr(session_module, "HEAD_POLL_MS", 600_000)
+    monkeypatch.setattr(tickets_module, "CHECK_IN_MS", 600_000)
+    calls: list[bool] = []
+    acquire = backend.acquire
+
+    def counted(*args: Any, **kwargs: Any) -> AcquireResult:
+        result = acquire(*args, **kwargs)
+        calls.append(result.ok)
+        return result
+
+    monkeypatch.setattr(backend, "acquire", counted)
+    queued = threading.Event()
+
+    def on_contended(sender: Any, **kwargs: Any) -> None:
+        queued.set()
+
+    entered: dict[str, Any] = {}
+
+    def body() -> None:
+        lease = current_lock()
+        entered.update(lease=(lease.lock_id, lease.fence), calls=list(calls))
+        entered["row"] = lock_row(backend, "grant:here")
+
+    signals.lock_contended.connect(on_contended, weak=False)
+    try:
+        held = acquire("grant:here", TTL)
+        options = {"key": "grant:here", "using": backend, "ttl_ms": 45_000, **NEVER}
+        thread = threading.Thread(target=lock, args=(body,), kwargs=options)
+        thread.start()
+        assert queued.wait(WAKE_S)
+        # A plain try (an SQLite registry is never "ready"), then the one that queued.
+        assert calls == [False, False]
+        assert backend.release(held.lock_id).ok
+        thread.join(WAKE_S)
+        assert not thread.is_alive()
+    finally:
+        signals.lock_contended.disconnect(on_contended)
+        backend.close()
+    assert entered["calls"] == [False, False]  # no acquire since the release
+    lock_id, fence = entered["lease"]
+    row_id, expires, acquired, row_fence = entered["row"]
+    assert (row_id, row_fence, fence) == (lock_id, "000000000000002", "000000000000002")
+    assert expires == acquired + 45_000  # claimed: no grant window applies
+    assert calls == [False, False]
+
+
+@on_sqlite
+def test_sqlite_an_unclaimed_grant_lapses_after_the_window(lite):
+    """The first waiter's process is elsewhere (or gone): the release grants it the
+    key, named by its ticket until its next attempt claims it. Nobody does: the lock is
+    gone for every operation exactly GRANT_WINDOW_MS after the grant, and the next
+    waiter takes the key with the next fence."""
+    backend = lite.backend
+    held = backend.acquire("grant:lapse", TTL)
+    gone, second = WaitTicket.new(), WaitTicket.new()
+    assert backend.acquire("grant:lapse", TTL, ticket=gone).queue_position == 0
+    assert backend.acquire("grant:lapse", TTL, ticket=second).queue_position == 1
+    granted_at = backend.now_ms()
+    assert backend.release(held.lock_id).ok
+    assert lock_row(backend, "grant:lapse") == (
+        gone.id,
+        granted_at + GRANT_WINDOW_MS - TIME_TOLERANCE_MS,
+        granted_at,
+        "000000000000002",
+    )
+    assert query(backend, f"SELECT ticket_id FROM {QUEUE}", []) == [(second.id,)]
+
+    lite.advance(GRANT_WINDOW_MS - 1)
+    assert backend.is_locked("grant:lapse") is True
+    assert backend.acquire("grant:lapse", TTL, ticket=second).queue_position == 0
+    lite.advance(1)
+    assert backend.is_locked("grant:lapse") is False
+    assert backend.lookup(key="grant:lapse") is None
+    assert backend.extend(gone.id, TTL).reason == "expired"
+    assert backend.release(gone.id).reason == "expired"
+    got = backend.acquire("grant:lapse", TTL, ticket=second)
+    assert got.ok and got.fence == "000000000000003"
+    assert backend.release(got.lock_id).ok
+
+
+@on_sqlite
+def test_sqlite_a_waiter_elsewhere_claims_its_grant_with_its_next_attempt(lite):
+    """The waiter's next attempt (a poll) finds the key granted to its ticket: it
+    returns that lock, renamed with the attempt's lock id (the ticket id named it only
+    while unclaimed), with the grant's fence and the lease's expiry."""
+    backend = lite.backend
+    held = backend.acquire("grant:claim", TTL)
+    ticket = WaitTicket.new()
+    assert backend.acquire("grant:claim", 30_000, ticket=ticket).queue_position == 0
+    granted_at = backend.now_ms()
+    assert backend.release(held.lock_id).ok
+    lite.advance(GRANT_WINDOW_MS - 1)
+    got = backend.acquire("grant:claim", 30_000, ticket=ticket)
+    assert got.ok and got.fence == "000000000000002" and got.lock_id != ticket.id
+    # Aged by the advance: the grant was made GRANT_WINDOW_MS - 1 ago.
+    assert got.expires_at_ms == granted_at + 30_000 - (GRANT_WINDOW_MS - 1)
+    assert lock_row(backend, "grant:claim")[0] == got.lock_id
+    lite.advance(GRANT_WINDOW_MS)  # claimed: the window no longer applies
+    assert backend.is_locked("grant:claim") is True
+    assert backend.release(ticket.id).reason == "not-found"
+    assert backend.release(got.lock_id).ok
+
+
+@on_sqlite
+def test_sqlite_a_withdrawal_gives_a_grant_back_to_the_next_waiter():
+    """Two waiters here: the first is granted the key (claimed, its process being this
+    one) but gives up before using it; its withdrawal deletes that lock and grants the
+    key to the second."""
+    backend = build("default")
+    first, second = WaitTicket.new(), WaitTicket.new()
+    listen_first = backend.wake_ups.listen("grant:back", first.id)
+    listen_second = backend.wake_ups.listen("grant:back", second.id)
+    try:
+        held = backend.acquire("grant:back", TTL)
+        assert backend.acquire("grant:back", TTL, ticket=first).queue_position == 0
+        assert backend.acquire("grant:back", TTL, ticket=second).queue_position == 1
+        assert backend.release(held.lock_id).ok
+        assert listen_first.wait(WAKE_S, None) is True
+        grant = listen_first.grant
+        assert grant is not None and (grant.lock_id, grant.fence) == (first.id, 2)
+        assert lock_row(backend, "grant:back")[1] == grant.expires_at_ms  # claimed
+        backend.withdraw("grant:back", first.id)
+        assert listen_second.wait(WAKE_S, None) is True
+        grant = listen_second.grant
+        assert grant is not None and (grant.lock_id, grant.fence) == (second.id, 3)
+        assert lock_row(backend, "grant:back")[0] == second.id
+        assert backend.release(second.id).ok
+    finally:
+        listen_first.close()
+        listen_second.close()
+        backend.close()
+
+
+@on_sqlite
+def test_sqlite_a_waiter_that_left_no_grant_request_is_only_woken():
+    """A queue file made before grants gets the grant_request column on attach; a
+    ticket queued by code of that version (no request) is woken, not granted, and
+    takes the key itself."""
+    old = build("default")
+    try:
+        query(old, f"ALTER TABLE {QUEUE} DROP COLUMN grant_request", [])
+        assert "grant_request" not in queue_columns(old)
+    finally:
+        old.close()
+    backend = build("default")
+    ticket = WaitTicket.new()
+    listener = backend.wake_ups.listen("grant:old", ticket.id)
+    try:
+        assert "grant_request" in queue_columns(backend)
+        held = backend.acquire("grant:old", TTL)
+        assert backend.acquire("grant:old", TTL, ticket=ticket).queue_position == 0
+        query(backend, f"UPDATE {QUEUE} SET grant_request = NULL", [])  # as older code
+        assert backend.release(held.lock_id).ok
+        assert listener.wait(WAKE_S, None) is True
+        assert listener.grant is None and lock_row(backend, "grant:old") is None
+        got = backend.acquire("grant:old", TTL, ticket=ticket)
+        assert got.ok and got.fence == "000000000000002"
+        assert backend.release(got.lock_id).ok
+    finally:
+        listener.close()
+        backend.close()
+
+
+@pytest.mark.slow
+@on_sqlite
+def test_sqlite_a_waiter_killed_first_in_line_delays_the_key_by_its_grant_window(children):
+    """A process queued first is killed (SIGKILL); the release grants it the key anyway
+    (its ticket is still live). Nobody claims the grant: it lapses after
+    GRANT_WINDOW_MS, and the next waiter (a thread here, polling as first in line)
+    takes the key at its next poll. The delay is the window, not the dead ticket's
+    patience plus a check-in, nor a TTL."""
+    backend = build("default")
+    reports = children.ctx.Queue()
+    entered: list[tuple[float, str]] = []
+    queued = threading.Event()
+
+    def on_contended(sender: Any, **kwargs: Any) -> None:
+        if threading.current_thread().name == "second":
+            queued.set()
+
+    def run() -> None:
+        def body() -> None:
+            entered.append((time.monotonic(), current_lock().fence))
+
+        lock(body, key="grant:killed", using=backend, ttl_ms=TTL, timeout_ms=60_000)
+
+    signals.lock_contended.connect(on_contended, weak=False)
+    try:
+        held = backend.acquire("grant:killed", TTL)
+        children.start(wakeup_workers.sqlite_waiter, databases(), "grant:killed", 0, reports)
+        assert reply(reports) == ("queued", 0)
+        thread = threading.Thread(target=run, name="second")
+        thread.start()
+        assert queued.wait(WAKE_S)
+        child = children.started[0]
+        os.kill(child.pid, signal.SIGKILL)
+        child.join(WAKE_S)
+        assert child.exitcode == -signal.SIGKILL
+
+        released_at = time.monotonic()
+        assert backend.release(held.lock_id).ok
+        thread.join(WAKE_S)
+    finally:
+        signals.lock_contended.disconnect(on_contended)
+        backend.close()
+    ((entered_at, fence),) = entered
+    delay_s = entered_at - released_at
+    print(f"killed first waiter delayed the key {delay_s * 1000:.0f} ms")
+    window_s = GRANT_WINDOW_MS / 1000
+    assert fence == "000000000000003"  # fence 2 went to the dead waiter's grant
+    assert window_s <= delay_s < window_s + 0.5
