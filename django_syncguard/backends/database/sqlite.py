@@ -12,6 +12,13 @@ Wait queues (fair waiting) live in a file of their own beside the database
 waiter must queue its ticket while the key is held, and any commit to the database
 file between a holder's first read and its first write in its transaction makes that
 write fail at once ("database is locked"). A commit to the queue file does not.
+
+A release grants the key to its first live waiter (decision 48): the lock is written
+for that waiter in the release's transaction, named by the waiter's ticket id. A
+waiter of this process gets the grant through :class:`LocalWakeUps` at once; a waiter
+of another process finds it at its next poll, whose attempt claims the lock (renamed
+with that attempt's lock id). Unclaimed, the grant is gone ``GRANT_WINDOW_MS`` after
+it was made (``waiting.queues.unclaimed_expiry``).
 """
 
 from __future__ import annotations
@@ -598,8 +605,8 @@ class SqliteOperations(DatabaseOperations):
                 with _transaction(cursor, "BEGIN IMMEDIATE"):
                     row = fetch_row(cursor, RELEASE, [lock_id, now - TIME_TOLERANCE_MS])
                     if row is not None:
-                        key, storage_key = str(row[1]), str(row[0])
-                        return row, True, self._grant(cursor, key, storage_key, now, wake_ups)
+                        key, storage_key, at = str(row[1]), str(row[0]), self.clock()
+                        return row, True, self._grant(cursor, key, storage_key, at, wake_ups)
             if row is None:
                 return None, fetch_value(cursor, EXISTS_ID, [lock_id]) is not None, None
             return row, True, None
