@@ -27,11 +27,19 @@ import pytest
 from django.core.management import call_command
 from django.db import connections
 
-from django_syncguard import InvalidArgument, current_lock, generate_lock_id, lock, signals
+from django_syncguard import (
+    Internal,
+    InvalidArgument,
+    current_lock,
+    generate_lock_id,
+    lock,
+    signals,
+)
 from django_syncguard.backends.database import DatabaseBackend
 from django_syncguard.backends.database.sqlite import QUEUE, queue_file
 from django_syncguard.backends.database.wakeups import DEAF_WARNING, channel_name
 from django_syncguard.constants import TIME_TOLERANCE_MS
+from django_syncguard.fencing import FENCE_MAX
 from django_syncguard.liveness import FakeClock
 from django_syncguard.results import AcquireResult
 from django_syncguard.waiting import GRANT_WINDOW_MS, WaitTicket
@@ -998,3 +1006,23 @@ def test_sqlite_a_waiter_killed_first_in_line_delays_the_key_by_its_grant_window
     window_s = GRANT_WINDOW_MS / 1000
     assert fence == "000000000000003"  # fence 2 went to the dead waiter's grant
     assert window_s <= delay_s < window_s + 0.5
+
+
+@on_sqlite
+def test_sqlite_a_grant_that_would_pass_the_maximum_fence_only_wakes_the_waiter(lite):
+    """No fence above the maximum is handed out by a grant either: the release only
+    wakes the first waiter, whose own attempt then reports the overflow."""
+    backend = lite.backend
+    held = backend.acquire("grant:max", TTL)
+    lite.set_fence("grant:max", FENCE_MAX)
+    ticket = WaitTicket.new()
+    listener = backend.wake_ups.listen("grant:max", ticket.id)
+    try:
+        assert backend.acquire("grant:max", TTL, ticket=ticket).queue_position == 0
+        assert backend.release(held.lock_id).ok
+        assert listener.wait(0, None) is True and listener.grant is None
+        assert lock_row(backend, "grant:max") is None
+        with pytest.raises(Internal, match="Fence counter"):
+            backend.acquire("grant:max", TTL, ticket=ticket)
+    finally:
+        listener.close()

@@ -6,8 +6,9 @@ import threading
 
 import pytest
 
-from django_syncguard import InvalidArgument, current_lock, lock, signals
+from django_syncguard import Internal, InvalidArgument, current_lock, lock, signals
 from django_syncguard.backends.memory import MemoryBackend
+from django_syncguard.fencing import FENCE_MAX
 from django_syncguard.owners import QueueStats
 from django_syncguard.waiting import GRANT_WINDOW_MS, WaitTicket
 from django_syncguard.waiting import tickets as waiting_tickets
@@ -261,3 +262,22 @@ def test_a_withdrawal_gives_a_claimed_grant_back_to_the_next_waiter(mem):
     finally:
         listen_first.close()
         listen_second.close()
+
+
+def test_a_grant_that_would_pass_the_maximum_fence_only_wakes_the_waiter(mem):
+    """No fence above the maximum is handed out by a grant either: the release only
+    wakes the first waiter, whose own attempt then reports the overflow."""
+    backend = mem.backend
+    held = backend.acquire("at-max", 60_000)
+    mem.set_fence("at-max", FENCE_MAX)
+    ticket = WaitTicket.new()
+    listener = backend.wake_ups.listen("at-max", ticket.id)
+    try:
+        assert backend.acquire("at-max", 60_000, ticket=ticket).queue_position == 0
+        assert backend.release(held.lock_id).ok
+        assert listener.wait(0, None) is True and listener.grant is None
+        assert backend.is_locked("at-max") is False
+        with pytest.raises(Internal, match="Fence counter"):
+            backend.acquire("at-max", 60_000, ticket=ticket)
+    finally:
+        listener.close()
