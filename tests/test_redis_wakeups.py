@@ -470,3 +470,82 @@ def test_a_waiter_killed_first_in_line_delays_the_key_by_its_grant_window(rh, qu
     # Fence 2 went to the dead waiter's grant.
     assert fence == "000000000000003"
     assert window_s <= delay_s < window_s + 0.5
+
+
+def test_a_grant_is_claimed_by_its_process_and_then_cannot_lapse(rh, queued_threads):
+    """A waiter enters on a grant, sending nothing more; its process claims the grant
+    CLAIM_AFTER_S later while the holder is still inside: the claim deadline is gone
+    from the hash, so the grant can no longer lapse."""
+    backend, key = rh.redis, "x:claimed"
+    claimed, inside, leave = threading.Event(), threading.Event(), threading.Event()
+    claim, acquire = backend.claim, backend.acquire
+    acquires: list[object] = []
+
+    def counted_claim(grant):
+        ok = claim(grant)
+        claimed.set()
+        return ok
+
+    def counted_acquire(*args, **kwargs):
+        result = acquire(*args, **kwargs)
+        acquires.append(result)
+        return result
+
+    backend.claim, backend.acquire = counted_claim, counted_acquire
+    held = backend.acquire(key, TTL)
+
+    def body() -> str:
+        inside.set()
+        assert leave.wait(WAKE_S)
+        return current_lock().lock_id
+
+    results: list[str] = []
+    queued_threads["holder"] = threading.Event()
+    thread = threading.Thread(
+        target=lambda: results.append(lock(body, key=key, using=backend, timeout_ms=60_000)),
+        name="holder",
+    )
+    thread.start()
+    try:
+        assert queued_threads["holder"].wait(WAKE_S)
+        assert backend.release(held.lock_id).ok
+        assert inside.wait(WAKE_S)
+        # Entered on the grant: every acquire the waiter sent found the key held.
+        assert [result.ok for result in acquires[1:]] == [False] * (len(acquires) - 1)
+        assert claimed.wait(WAKE_S)
+        fields = backend.client.hgetall(backend.lock_key(key))
+        assert b"g" not in fields and b"G" in fields
+    finally:
+        leave.set()
+        thread.join(WAKE_S)
+    assert results == [fields[b"i"].decode()]
+
+
+def test_a_grant_released_before_its_claim_is_never_claimed(rh, queued_threads):
+    backend, key = rh.redis, "x:short"
+    claimed: list[object] = []
+    claim = backend.claim
+
+    def counted_claim(grant):
+        claimed.append(grant)
+        return claim(grant)
+
+    backend.claim = counted_claim
+    held = backend.acquire(key, TTL)
+    results: list[str] = []
+    queued_threads["short"] = threading.Event()
+    thread = threading.Thread(
+        target=lambda: results.append(
+            lock(lambda: current_lock().lock_id, key=key, using=backend, timeout_ms=60_000)
+        ),
+        name="short",
+    )
+    thread.start()
+    assert queued_threads["short"].wait(WAKE_S)
+    assert backend.release(held.lock_id).ok
+    thread.join(WAKE_S)
+    # The hold ended before CLAIM_AFTER_S: its claim was dropped, never sent.
+    (lock_id,) = results
+    assert lock_id not in backend.wake_ups._claims
+    assert claimed == []
+    assert b"i" not in backend.client.hgetall(backend.lock_key(key))

@@ -344,11 +344,20 @@ class BaseLockBackend(SanitizedLookups, ABC):
         Safe to call without owning anything: it only ever removes that lock.
         """
         lock_id, _, cancel = self._id_args(lock_id, cancel)
+        self._no_claim_needed(lock_id)
         return self._release(lock_id, cancel)
 
     async def arelease(self, lock_id: str, *, cancel: Any = None) -> ReleaseResult:
         lock_id, _, cancel = self._id_args(lock_id, cancel)
+        self._no_claim_needed(lock_id)
         return await self._arelease(lock_id, cancel)
+
+    def _no_claim_needed(self, lock_id: str) -> None:
+        """A lock granted here and released before its process claimed it needs no
+        claim (the release claims it); without a registry built, nothing was granted."""
+        built: WakeUps | None = self.__dict__.get("_wake_ups_built")
+        if built is not None:
+            built.released(lock_id)
 
     def extend(self, lock_id: str, ttl_ms: int, *, cancel: Any = None) -> ExtendResult:
         """Reset the expiry of a live lock to now + ``ttl_ms``; never revives a dead one."""

@@ -231,6 +231,10 @@ class WakeUps:
         """Tell the server that the waiter a grant of ``key`` reached is alive, so the
         grant does not lapse (registries of backends that grant)."""
 
+    def released(self, lock_id: str) -> None:
+        """The holder of ``lock_id`` is releasing it: a claim not sent yet is not
+        needed (a release claims too)."""
+
     def connection_lost(self) -> None:
         """The channel broke: every waiter polls from now on (its listener is no
         longer healthy) and tries once at once, in case it missed its wake-up."""

@@ -286,18 +286,12 @@ class RedisWakeUps(ChannelWorker):
         self._backend = backend
 
     def claim(self, key: str, grant: Grant) -> None:
-        """Claim a grant delivered to a waiter of this process, in this thread: the
-        waiter is already running (it does not wait for the claim). A claim that fails
-        means the grant lapsed (this process was too slow for the grant window) or the
-        hold already ended; a lapsed lock's release then reports it expired."""
         self._backend.granted(key, grant)
-        # Let the woken waiter take the GIL first: it enters its body now, and the
-        # claim (needed within the window, not at once) must not delay it.
-        time.sleep(0)
-        try:
-            claimed = self._backend.claim(grant)
-        except Exception as exc:
-            logger.warning("Claiming a granted lock failed: %r; it lapses unless used.", exc)
-            return
-        if not claimed:
+        super().claim(key, grant)
+
+    def _claim_on_server(self, key: str, grant: Grant) -> None:
+        """A claim that finds the lock gone means the grant lapsed (this process was
+        too slow for the grant window) or the hold ended without a release we saw;
+        a lapsed lock's release then reports it expired."""
+        if not self._backend.claim(grant):
             logger.debug("A granted lock was gone when claimed (lapsed, or released).")
