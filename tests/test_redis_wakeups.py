@@ -25,8 +25,10 @@ from django_syncguard.backends.redis import wakeups as redis_wakeups
 from django_syncguard.backends.redis.wakeups import RedisWakeUps
 from django_syncguard.waiting import GRANT_WINDOW_MS, WaitTicket
 from tests.support import redis_wakeup_workers as workers
+from tests.support.faults import wait_until
 from tests.support.harness import RedisHarness
 from tests.support.processes import Children
+from tests.test_fork import Forked
 
 TTL = 60_000
 WAKE_S = 10.0  # generous bound for an event that must arrive; never slept
@@ -186,7 +188,7 @@ def test_a_killed_connection_comes_back_at_once_and_resubscribes(rh):
     # The key it still waits on was resubscribed on the new connection.
     [again] = [c for cid, c in pubsub_clients(backend).items() if cid not in others]
     assert again["id"] != ours
-    assert again["sub"] == "1"
+    assert again["sub"] == "2"  # and the process's own channel (grants)
     mine = ticket()
     fresh = backend.wake_ups.listen("x:back", mine.id)
     try:
@@ -273,7 +275,7 @@ def test_one_pubsub_connection_per_process_for_any_number_of_waiters(rh):
         assert all(listener.healthy for listener in listeners)
         new = [c for cid, c in pubsub_clients(backend).items() if cid not in before]
         assert len(new) == 1
-        assert new[0]["sub"] == "5"  # one channel per key
+        assert new[0]["sub"] == "6"  # one channel per key, and the process's own
     finally:
         for listener in listeners:
             listener.close()
@@ -549,3 +551,30 @@ def test_a_grant_released_before_its_claim_is_never_claimed(rh, queued_threads):
     assert lock_id not in backend.wake_ups._claims
     assert claimed == []
     assert b"i" not in backend.client.hgetall(backend.lock_key(key))
+
+
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
+def test_a_forked_child_gets_a_grant_channel_of_its_own(rh):
+    """Grants are published on the waiter's process channel; a child forked from a
+    process that had one (Celery prefork) makes its own, and its waiter is granted
+    the key through it."""
+    backend, key = rh.redis, "x:fork-grant"
+    parents = backend.wake_ups.process_channel
+    assert parents is not None and parents.startswith(f"{rh.prefix}#w:")
+    held = backend.acquire(key, TTL)
+
+    def child() -> dict[str, str]:
+        channel = backend.wake_ups.process_channel
+        fence = lock(lambda: current_lock().fence, key=key, using=backend, timeout_ms=30_000)
+        return {"channel": channel, "fence": fence}
+
+    forked = Forked(child)
+    forked.go()
+    wait_until(
+        lambda: backend.client.hget(backend.lock_key(key), "q") == b"1", WAKE_S * 3, "queued"
+    )
+    assert backend.release(held.lock_id).ok
+    result = forked.result()
+    assert result["channel"] not in (None, parents)
+    assert int(result["fence"]) > int(held.fence)
+    assert backend.wake_ups.process_channel == parents  # the parent's is unchanged

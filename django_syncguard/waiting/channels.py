@@ -91,11 +91,13 @@ class Confirmed:
 
 @dataclass(frozen=True, slots=True)
 class Message:
-    """A release woke ``ticket_id`` on ``channel`` (with ``grant``: granted it the key)."""
+    """A release woke ``ticket_id`` on ``channel`` (with ``grant``: granted it the key;
+    with ``recheck``: granted it to another ticket, this one being next)."""
 
     channel: str
     ticket_id: str
     grant: Grant | None = None
+    recheck: bool = False
 
 
 Event = Confirmed | Message
@@ -578,7 +580,11 @@ class ChannelWorker(WakeUps):
             if isinstance(event, Message):
                 with self._cond:
                     key = self._channels.get(event.channel)
-                if key is not None:
+                if key is None:
+                    continue
+                if event.recheck:
+                    self.recheck(key, event.ticket_id)
+                else:
                     self.deliver(key, event.ticket_id, event.grant)
 
     def _confirm(self, channels: Iterable[str]) -> None:

@@ -33,6 +33,11 @@ logger = logging.getLogger("django_syncguard.waiting")
 _CANCEL_SLICE_S = 0.025
 
 
+def _recheck_at() -> float:
+    """When a waiter that saw a grant go to another ticket tries again."""
+    return time.monotonic() + (tickets.GRANT_WINDOW_MS + tickets.RECHECK_MARGIN_MS) / 1000
+
+
 class Listener:
     """One waiter's registration with a :class:`WakeUps`: woken by a release meant
     for its ticket, by a lost connection, or by its own timer."""
@@ -215,10 +220,8 @@ class WakeUps:
             others = [lst for tid, lst in waiting.items() if tid != ticket_id] if grant else []
         woken = [listener for listener in found if listener is not None]
         if grant is not None:
-            window_ms = tickets.GRANT_WINDOW_MS + tickets.RECHECK_MARGIN_MS
-            recheck = time.monotonic() + window_ms / 1000
             for other in others:
-                other.nudge(recheck)
+                other.nudge(_recheck_at())
         for listener in woken:
             if grant is not None:
                 listener.grant = grant
@@ -226,6 +229,14 @@ class WakeUps:
         if grant is not None and woken:
             self.claim(key, grant)
         return bool(woken)
+
+    def recheck(self, key: str, ticket_id: str) -> None:
+        """The key was granted to another waiter, and ``ticket_id`` is next: its
+        waiter tries again once that grant's window is over, in case it lapses."""
+        with self._mutex:
+            listener = self._listeners.get(key, {}).get(ticket_id)
+        if listener is not None:
+            listener.nudge(_recheck_at())
 
     def claim(self, key: str, grant: Grant) -> None:
         """Tell the server that the waiter a grant of ``key`` reached is alive, so the

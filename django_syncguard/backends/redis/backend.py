@@ -409,6 +409,7 @@ class RedisBackend(BaseLockBackend):
                 user_key,
                 str(tolerance),
                 str(tickets.GRANT_WINDOW_MS),
+                self._process_channel(),
             ],
             separators=(",", ":"),
         )
@@ -520,6 +521,12 @@ class RedisBackend(BaseLockBackend):
     def grants(self) -> bool:
         # Not under WAIT_REPLICAS: see _grant_record.
         return self.wake_ups_enabled and not self.wait_replicas
+
+    def _process_channel(self) -> str:
+        """This process's grant channel ("" on a cluster: grants go on the key's)."""
+        built = self.__dict__.get("_wake_ups_built")
+        channel = getattr(built, "process_channel", None)
+        return channel if isinstance(channel, str) else ""
 
     def granted(self, key: str, grant: Grant) -> None:
         """A release granted ``key`` to a waiter of this process (see :meth:`claim`)."""
