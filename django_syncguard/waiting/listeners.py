@@ -226,6 +226,10 @@ class WakeUps:
             if grant is not None:
                 listener.grant = grant
             listener.wake()
+        if woken:
+            # Hand the GIL to the woken waiter now: otherwise it waits until this
+            # thread blocks (or for the interpreter's 5 ms switch interval).
+            time.sleep(0)
         if grant is not None and woken:
             self.claim(key, grant)
         return bool(woken)
