@@ -211,8 +211,8 @@ class WakeUps:
         """Wake the waiter holding ``ticket_id`` on ``key`` (every waiter on ``key``
         when ``ticket_id`` is None); False when none is in this process.
 
-        With ``grant``, the key was granted to ``ticket_id``: its waiter gets the grant
-        and :meth:`claim` runs (in the delivering thread, after the wake); the other
+        With ``grant``, the key was granted to ``ticket_id``: :meth:`claim` runs (in the
+        delivering thread, before the wake) and its waiter gets the grant; the other
         waiters of ``key`` here set their re-check past the grant's window."""
         with self._mutex:
             waiting = self._listeners.get(key, {})
@@ -222,6 +222,10 @@ class WakeUps:
         if grant is not None:
             for other in others:
                 other.nudge(_recheck_at())
+        if grant is not None and woken:
+            # Before the wake: the waiter may release at once, and a release drops
+            # the claim it finds pending (released()).
+            self.claim(key, grant)
         for listener in woken:
             if grant is not None:
                 listener.grant = grant
@@ -230,8 +234,6 @@ class WakeUps:
             # Hand the GIL to the woken waiter now: otherwise it waits until this
             # thread blocks (or for the interpreter's 5 ms switch interval).
             time.sleep(0)
-        if grant is not None and woken:
-            self.claim(key, grant)
         return bool(woken)
 
     def recheck(self, key: str, ticket_id: str) -> None:
