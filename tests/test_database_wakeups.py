@@ -30,13 +30,16 @@ from django.db import connections
 
 from django_syncguard import InvalidArgument, current_lock, generate_lock_id, lock, signals
 from django_syncguard.backends.database import DatabaseBackend
+from django_syncguard.backends.database import wakeups as wakeups_module
 from django_syncguard.backends.database.postgresql import RELEASE
 from django_syncguard.backends.database.sqlite import QUEUE, queue_file
 from django_syncguard.backends.database.wakeups import DEAF_WARNING, channel_name
 from django_syncguard.constants import TIME_TOLERANCE_MS
+from django_syncguard.errors import ServiceUnavailable
 from django_syncguard.results import AcquireResult
-from django_syncguard.waiting import GRANT_WINDOW_MS, WaitTicket
+from django_syncguard.waiting import GRANT_WINDOW_MS, Grant, WaitTicket
 from django_syncguard.waiting import channels as channels_module
+from django_syncguard.waiting.channels import Message
 from tests.support import wakeup_workers
 from tests.support.faults import wait_until
 from tests.support.proxy import FaultProxy
@@ -497,6 +500,35 @@ def test_a_grant_from_another_process_lets_a_waiter_enter_without_another_acquir
     assert row["granted_to"] is not None  # a grant, claimed: no told expiry left
     assert lock_row(pg, key) is None  # released by lock() at the end
     children.join()
+
+
+def test_a_notification_is_a_wake_up_or_a_grant():
+    assert wakeups_module._message("ch", "T") == Message("ch", "T", None)
+    assert wakeups_module._message("ch", "T L 2 123") == Message("ch", "T", Grant("L", 2, 123))
+    # A payload that does not parse still wakes its ticket, which then acquires.
+    assert wakeups_module._message("ch", "T L x 123") == Message("ch", "T", None)
+
+
+def test_a_failing_claim_is_logged_and_never_raised_into_the_channel_thread(caplog):
+    def claim(grant: Grant) -> bool:
+        raise ServiceUnavailable("the server is gone")
+
+    transport = wakeups_module.PostgresTransport(
+        "claims",
+        connect=None,
+        probe=None,
+        storage_key=str,  # type: ignore[arg-type]
+    )
+    wake_ups = wakeups_module.PostgresWakeUps(transport, reply_timeout_s=1.0, claim=claim)
+    listener = wake_ups.listen("k", "T")
+    try:
+        with caplog.at_level(logging.WARNING, logger=LOGGER):
+            assert wake_ups.deliver("k", "T", Grant("L", 2, 123)) is True
+        assert listener.grant == Grant("L", 2, 123)
+        assert "Claiming a granted lock failed" in caplog.text
+    finally:
+        listener.close()
+        wake_ups.close()
 
 
 @pytest.mark.slow
