@@ -275,6 +275,7 @@ class SqliteOperations(DatabaseOperations):
         *,
         clock: bool,
         owner: str | None = None,
+        grant_window_ms: int | None = None,
     ) -> AcquireReply:
         return self.run(
             lambda c: self._acquire(c, keys, lock_id, ttl_ms, check_cancel, ticket, clock, owner)
@@ -297,8 +298,8 @@ class SqliteOperations(DatabaseOperations):
         alone."""
         if not self._begin_unless_held(cursor, keys.storage_key, ticket):
             if ticket is None:
-                return LOCKED, None, None, None
-            return LOCKED, None, None, self._enqueue(cursor, keys.storage_key, ticket)
+                return LOCKED, None, None, None, None
+            return LOCKED, None, None, self._enqueue(cursor, keys.storage_key, ticket), None
         try:
             reply, wrote = self._read_then_write(
                 cursor, keys, lock_id, ttl_ms, check_cancel, ticket, clock, owner
@@ -380,11 +381,11 @@ class SqliteOperations(DatabaseOperations):
         if not take:
             check_cancel()  # before the queue's writes
             wrote = _write_queue(cursor, keys.storage_key, before, queue, now)
-            return (LOCKED, None, None, position), wrote
+            return (LOCKED, None, None, position, None), wrote
         last, floor = fetch_one(cursor, SELECT_FENCES, [keys.fence_key, FLOOR_KEY])
         fence = next_fence(int(last or 0), int(floor or 0), now if clock else None)
         if fence > FENCE_MAX:
-            return (FENCE_OVERFLOW, None, None, None), False
+            return (FENCE_OVERFLOW, None, None, None, None), False
         check_cancel()  # after the reads, before the writes
         _write_queue(cursor, keys.storage_key, before, queue, now)
         cursor.execute(
@@ -400,7 +401,7 @@ class SqliteOperations(DatabaseOperations):
             ],
         )
         cursor.execute(UPSERT_FENCE, [keys.fence_key, fence, now])
-        return (ACQUIRED, fence, now + ttl_ms, None), True
+        return (ACQUIRED, fence, now + ttl_ms, None, None), True
 
     def _enqueue(self, cursor: Any, storage_key: str, ticket: WaitTicket) -> int | None:
         """Queue (or renew) ``ticket`` for the held key, in a transaction that writes
