@@ -509,9 +509,11 @@ def test_a_notification_is_a_wake_up_or_a_grant():
     assert wakeups_module._message("ch", "T L x 123") == Message("ch", "T", None)
 
 
-def test_a_failing_claim_is_logged_and_never_raised_into_the_channel_thread(caplog):
+def test_a_failing_claim_is_logged_and_never_raised_into_the_channel_thread(caplog, monkeypatch):
     def claim(grant: Grant) -> bool:
         raise ServiceUnavailable("the server is gone")
+
+    monkeypatch.setattr(channels_module, "CLAIM_AFTER_S", 0.0)  # due at once
 
     transport = wakeups_module.PostgresTransport(
         "claims",
@@ -524,8 +526,12 @@ def test_a_failing_claim_is_logged_and_never_raised_into_the_channel_thread(capl
     try:
         with caplog.at_level(logging.WARNING, logger=LOGGER):
             assert wake_ups.deliver("k", "T", Grant("L", 2, 123)) is True
+            # What the channel's thread runs between reads: the claim is due.
+            wake_ups._claim_due()
         assert listener.grant == Grant("L", 2, 123)
-        assert "Claiming a granted lock failed" in caplog.text
+        assert "Claiming a lock granted to a waiter of" in caplog.text
+        assert "the server is gone" in caplog.text
+        assert wake_ups._claims == {}
     finally:
         listener.close()
         wake_ups.close()

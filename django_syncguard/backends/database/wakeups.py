@@ -239,26 +239,17 @@ class PostgresWakeUps(ChannelWorker, DatabaseWakeUps):
         super().__init__(transport.name, transport, timeout_s=reply_timeout_s)
         self._claim = claim
 
-    def claim(self, key: str, grant: Grant) -> None:
-        """Claim a grant delivered to a waiter of this process, in this (the channel's)
-        thread, after the waiter was woken: it does not wait for the claim. The
-        statement goes through this thread's own private connection of the backend
-        (connections are per thread: never the waiters', never the LISTEN one, whose
-        session only reads notifications). A claim that fails means the grant lapsed
-        (this process was slower than the grant window) or the hold already ended; a
-        lapsed lock's release then reports it expired. Errors are logged: they must
-        not stop the thread that delivers every other wake-up."""
-        if self._claim is None:
-            return
-        # Let the woken waiter take the GIL first: it enters its body now, and the
-        # claim (needed within the window, not at once) must not delay it.
-        time.sleep(0)
-        try:
-            claimed = self._claim(grant)
-        except Exception as exc:
-            logger.warning("Claiming a granted lock failed: %r; it lapses unless used.", exc)
-            return
-        if not claimed:
+    def _claim_on_server(self, key: str, grant: Grant) -> None:
+        """Claim a grant delivered to a waiter of this process, from this (the
+        channel's) thread, when the channel worker says it is due (``CLAIM_AFTER_S``
+        after it arrived, unless the holder released it first). The statement goes
+        through this thread's own private connection of the backend (connections are
+        per thread: never the waiters', never the LISTEN one, whose session only reads
+        notifications). A claim that fails means the grant lapsed (this process was
+        slower than the grant window) or the hold already ended; a lapsed lock's
+        release then reports it expired. The worker logs errors: they must not stop
+        the thread that delivers every other wake-up."""
+        if self._claim is not None and not self._claim(grant):
             logger.debug("A granted lock was gone when claimed (lapsed, or released).")
 
     @property
