@@ -116,7 +116,7 @@ def syncguard_durable_release(port: int) -> MethodFactory:
     from django_syncguard.constants import TIME_TOLERANCE_MS
 
     backend = DatabaseBackend("bench-durable", {"OPTIONS": {"DATABASE": "default"}})
-    durable = "SELECT syncguard_release(%s, %s)"
+    durable = "SELECT syncguard_release(%s, %s, true)"  # (0008: the granting release)
 
     def factory(client: int):
         def acquire(key: str):

@@ -29,6 +29,13 @@ class Lock(models.Model):
     #: The holder's label (host, pid, thread or task, function; django_syncguard.owners),
     #: at most 128 bytes. NULL when the alias does not record owners (RECORD_OWNER).
     owner = models.TextField(null=True, blank=True)  # noqa: DJ001 - NULL means "not recorded"
+    #: A lock a release granted to a waiter (PostgreSQL, 0008): the waiter's ticket. NULL
+    #: for a lock its acquire took.
+    granted_to = models.CharField(max_length=22, null=True, blank=True)  # noqa: DJ001
+    #: While a grant is unclaimed: the expiry its holder was told (``expires_at_ms`` then
+    #: holds the claim deadline minus the tolerance, so the grant lapses there). NULL
+    #: once claimed, and for a lock its acquire took.
+    grant_expires_at_ms = models.BigIntegerField(null=True)
 
     class Meta:
         db_table = "syncguard_locks"
@@ -93,6 +100,23 @@ class Waiter(models.Model):
     #: When the ticket was queued (the time authority's ms; again after its place
     #: lapsed): the inspector's oldest wait. NULL for rows queued before 0007.
     queued_at_ms = models.BigIntegerField(null=True)
+    # The ticket's grant record (PostgreSQL, 0008): what its latest attempt would have
+    # written as the lock, for a release to write it for the waiter (a grant). All NULL
+    # for a waiter that takes no grant (grant_window_ms says which).
+    #: The lock id of the waiter's latest attempt.
+    lock_id = models.CharField(max_length=22, null=True)  # noqa: DJ001
+    ttl_ms = models.BigIntegerField(null=True)
+    #: ``FenceCounter.fence_key`` of the key.
+    fence_key = models.TextField(null=True)  # noqa: DJ001
+    #: As ``Lock.user_key``.
+    user_key = models.TextField(null=True)  # noqa: DJ001
+    #: As ``Lock.owner``.
+    owner = models.TextField(null=True)  # noqa: DJ001
+    #: Clock fence mode (the fence is at least the server's now).
+    clock = models.BooleanField(null=True)
+    max_fence = models.BigIntegerField(null=True)
+    #: How long the grant waits for the waiter's process to claim it, in ms.
+    grant_window_ms = models.BigIntegerField(null=True)
 
     class Meta:
         db_table = "syncguard_waiters"

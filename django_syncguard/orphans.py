@@ -31,13 +31,12 @@ harmless: a release only ever removes the lock its id names.
 from __future__ import annotations
 
 import atexit
-import contextlib
 import contextvars
 import logging
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -66,32 +65,31 @@ GIVE_UP_S = 600.0
 
 class SentRequest:
     """The lock id of the acquire running in this context, once it is chosen, and
-    whether a write of it may have been applied whatever the call ends with."""
+    whether a write of it may have been applied whatever the call ends with.
 
-    __slots__ = ("lock_id", "maybe_written")
+    ``with SentRequest() as sent``: within the block, :func:`note_sent` records
+    the lock id an acquire sends in ``sent``. A context variable holding a mutable
+    record: an acquire run in a worker thread (``sync_to_async`` copies the context)
+    writes to the caller's record. (A class rather than a generator context manager:
+    every acquire enters one, and contextlib's costs several calls more.)"""
+
+    __slots__ = ("_token", "lock_id", "maybe_written")
 
     def __init__(self) -> None:
         self.lock_id: str | None = None
         self.maybe_written = False
 
+    def __enter__(self) -> SentRequest:
+        self._token = _SENT.set(self)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        _SENT.reset(self._token)
+
 
 _SENT: contextvars.ContextVar[SentRequest | None] = contextvars.ContextVar(
     "django_syncguard_sent_lock_id", default=None
 )
-
-
-@contextlib.contextmanager
-def watching_sends() -> Iterator[SentRequest]:
-    """Within the block, :func:`note_sent` records the lock id an acquire sends.
-
-    A context variable holding a mutable record: an acquire run in a worker thread
-    (``sync_to_async`` copies the context) writes to the caller's record."""
-    sent = SentRequest()
-    token = _SENT.set(sent)
-    try:
-        yield sent
-    finally:
-        _SENT.reset(token)
 
 
 def note_sent(lock_id: str) -> str:

@@ -69,6 +69,11 @@ _pinned: ContextVar[str | None] = ContextVar("django_syncguard_owner_pinned", de
 def clip(text: str, limit: int) -> str:
     """``text`` with control characters as ``?``, cut to at most ``limit`` bytes of
     UTF-8 on a character boundary (a lone surrogate becomes ``?`` too)."""
+    if len(text) <= limit and text.isascii() and text.isprintable():
+        # The usual label (ASCII host, thread and function names): nothing to replace
+        # or cut. Printable ASCII is exactly 32..126, one byte a character; every acquire
+        # builds a label, and the loop below costs more than the rest of it.
+        return text
     cleaned = "".join("?" if ord(ch) < 32 or ord(ch) == 127 else ch for ch in text)
     data = cleaned.encode("utf-8", "replace")[:limit]
     return data.decode("utf-8", "ignore")  # drops a character cut in half
@@ -104,10 +109,10 @@ def _who() -> str:
     task_id = _task.get() or _celery_task_id()
     if task_id is not None:
         return f"task:{task_id}"
-    try:
-        current = asyncio.current_task()
-    except RuntimeError:  # no running event loop in this thread
-        current = None
+    # No running loop in this thread (a synchronous caller): current_task() would
+    # raise and catch RuntimeError on every acquire; ask for the loop instead.
+    loop = asyncio._get_running_loop()
+    current = asyncio.current_task(loop) if loop is not None else None
     if current is not None:
         return f"asyncio:{current.get_name()}"
     return f"thread:{threading.current_thread().name}"

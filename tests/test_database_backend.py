@@ -38,7 +38,7 @@ from django_syncguard.errors import AuthFailed, RateLimited
 from django_syncguard.fence_floors import FenceState
 from django_syncguard.fencing import FENCE_MAX
 from django_syncguard.keys import fence_key_of
-from django_syncguard.waiting import WaitTicket
+from django_syncguard.waiting import GRANT_WINDOW_MS, Grant, WaitTicket
 from tests.support.harness import PostgresHarness, SqliteHarness
 from tests.support.servers import import_extra
 from tests.testapp.models import Account
@@ -110,7 +110,11 @@ def test_a_release_alone_commits_without_waiting_for_the_wal_flush(pg):
     conn = backend.connection()
     with CaptureQueriesContext(conn) as queries:
         assert backend.release(held.lock_id).ok is True
-    assert queries[0]["sql"].endswith("set_config('synchronous_commit', 'off', true)")
+    # The setting first: a release that grants sets it back on inside the function
+    # (tests/test_database_wakeups.py, durability of a granting release).
+    assert queries[0]["sql"].startswith(
+        "SELECT set_config('synchronous_commit', 'off', true), syncguard_release("
+    )
     # Local to the release's transaction: the same connection's next statements
     # (acquires, extends) commit durably.
     assert backend.connections.run(setting) == "on"
@@ -743,25 +747,26 @@ def test_a_counter_whose_key_has_a_waiter_is_kept(harness_cls):
     try:
         backend = h.backend
         held = backend.acquire("queued", TTL)
-        # Where a release grants the key, it goes to a first waiter that never claims
-        # it (its process is gone): that grant (fence 2) lapses, the second waiter stays.
-        granted = WaitTicket(generate_lock_id(), 60_000) if backend.grants else None
-        if granted is not None:
-            assert backend.acquire("queued", TTL, ticket=granted).queue_position == 0
         ticket = WaitTicket(generate_lock_id(), 60_000)
-        position = 0 if granted is None else 1
-        assert backend.acquire("queued", TTL, ticket=ticket).queue_position == position
+        if backend.grants:
+            # The release grants the key (fence 2) to a first waiter, which never
+            # claims it (its process is gone): the grant lapses, and ``ticket`` is the
+            # waiter still queued.
+            gone = WaitTicket(generate_lock_id(), 60_000)
+            assert backend.acquire("queued", TTL, ticket=gone).queue_position == 0
+        position = backend.acquire("queued", TTL, ticket=ticket).queue_position
+        assert position == (1 if backend.grants else 0)
         assert backend.release(held.lock_id).ok
         h.advance(10_000)  # the counter is old, the ticket still live
 
         assert sum(backend.compact_fences(idle_ms=5_000)) == 0
 
         taken = backend.acquire("queued", TTL, ticket=ticket)  # the waiter's turn
-        assert int(taken.fence) == 2 + position
+        assert taken.fence == ("000000000000003" if backend.grants else "000000000000002")
         assert backend.release(taken.lock_id).ok
         h.advance(10_000)
         assert sum(backend.compact_fences(idle_ms=5_000)) == 1
-        assert take(backend, "queued") == 3 + position
+        assert take(backend, "queued") == (4 if backend.grants else 3)
     finally:
         h.close()
 
@@ -893,7 +898,8 @@ def test_compaction_waits_for_an_acquire_under_way_and_keeps_its_counter(pg):
     keys = DatabaseBackend.storage_keys("busy")
     lock_id = generate_lock_id()
     params = [keys.storage_key, keys.fence_key, lock_id, TTL, None, FENCE_MAX]
-    params += [TIME_TOLERANCE_MS, None, None, False, None]  # (0007: the owner label)
+    # (0007: the owner label; 0008: the grant window, none without a ticket)
+    params += [TIME_TOLERANCE_MS, None, None, False, None, None]
     with ThreadPoolExecutor(1) as pool:
         with transaction.atomic(using="postgres"), connections["postgres"].cursor() as cursor:
             cursor.execute("SELECT pg_backend_pid()")
@@ -1015,3 +1021,87 @@ def test_routers_never_move_the_locks_off_their_configured_database(settings):
         assert backend.release(result.lock_id).ok is True
     finally:
         backend.close()
+
+
+# ------------------------------------------------------------------ grants (0008)
+def granted(h: PostgresHarness, key: str) -> Any:
+    """Hold ``key``, queue a waiter, release: the key is granted to the waiter (whose
+    process never claims it). The granted lock, as a debug lookup sees it."""
+    backend = h.backend
+    held = backend.acquire(key, TTL)
+    ticket = WaitTicket(generate_lock_id(), 60_000)
+    assert backend.acquire(key, TTL, ticket=ticket).queue_position == 0
+    assert backend.release(held.lock_id).ok
+    info = backend.lookup_raw(key=key)
+    assert info is not None and info.lock_id != held.lock_id
+    return info
+
+
+@on_postgres
+def test_an_unclaimed_grant_is_gone_everywhere_at_its_claim_deadline(pg):
+    backend = pg.backend
+    info = granted(pg, "granted")
+    assert info.fence == "000000000000002"
+    # Lookups and lists show the expiry its holder was told, not the claim deadline.
+    assert info.expires_at_ms - info.acquired_at_ms == TTL
+    listed = backend.list_locks(prefix="granted").records
+    assert [(r.lock_id, r.expires_at_ms) for r in listed] == [(info.lock_id, info.expires_at_ms)]
+    assert backend.is_locked("granted")
+
+    pg.advance(GRANT_WINDOW_MS)  # the window is over: no tolerance
+    assert not backend.is_locked("granted")
+    assert backend.lookup_raw(key="granted") is None
+    assert backend.lookup_raw(lock_id=info.lock_id) is None
+    assert backend.list_locks(prefix="granted").records == ()
+    grant = Grant(info.lock_id, 2, info.expires_at_ms)
+    assert backend.claim(grant) is False
+    assert backend.extend(info.lock_id, TTL).reason == "expired"
+    assert backend.release(info.lock_id).reason == "expired"
+    assert take(backend, "granted") == 3  # fence 2 was burnt
+
+
+@on_postgres
+def test_a_claimed_grant_holds_to_its_ttl(pg):
+    backend = pg.backend
+    info = granted(pg, "claimed")
+    grant = Grant(info.lock_id, 2, info.expires_at_ms)
+    assert backend.claim(grant) is True
+    assert backend.claim(grant) is True  # claimed already: still its holder's
+    pg.advance(GRANT_WINDOW_MS + 10_000)
+    assert backend.is_locked("claimed")
+    after = backend.lookup_raw(key="claimed")
+    assert after is not None
+    assert after.expires_at_ms - after.acquired_at_ms == TTL  # aged alike
+    assert backend.release(info.lock_id).ok
+    assert backend.claim(grant) is False  # released: nothing to claim
+
+
+@on_postgres
+def test_an_extend_claims_a_grant(pg):
+    backend = pg.backend
+    info = granted(pg, "extended")
+    assert backend.extend(info.lock_id, 5_000).ok
+    pg.advance(GRANT_WINDOW_MS + 1_000)
+    assert backend.is_locked("extended")
+    # The late claim of the waiter's channel does not move the expiry back.
+    assert backend.claim(Grant(info.lock_id, 2, info.expires_at_ms)) is True
+    after = backend.lookup_raw(key="extended")
+    assert after is not None  # still the extend's 5 s, not the grant's 60 s
+    assert after.expires_at_ms - after.acquired_at_ms < 10_000
+
+
+@on_postgres
+def test_a_withdrawal_gives_a_grant_back_and_grants_the_next_waiter(pg):
+    backend = pg.backend
+    held = backend.acquire("handed", TTL)
+    first = WaitTicket(generate_lock_id(), 60_000)
+    second = WaitTicket(generate_lock_id(), 60_000)
+    assert backend.acquire("handed", TTL, ticket=first).queue_position == 0
+    assert backend.acquire("handed", TTL, ticket=second).queue_position == 1
+    assert backend.release(held.lock_id).ok  # granted to first (fence 2)
+    backend.withdraw("handed", first.id)  # first gives up: granted to second (fence 3)
+    got = backend.acquire("handed", TTL, ticket=second)  # crosses the grant
+    assert (got.ok, got.fence) == (True, "000000000000003")
+    assert backend.lookup_raw(key="handed").lock_id == got.lock_id
+    assert backend.release(got.lock_id).ok
+    assert take(backend, "handed") == 4

@@ -19,7 +19,11 @@ from django.db import connections
 
 from django_syncguard import generate_lock_id
 from django_syncguard.backends.database import DatabaseBackend, sql
-from django_syncguard.backends.database.postgresql import DELETE_EXPIRED, NOW
+from django_syncguard.backends.database.postgresql import (
+    DELETE_EXPIRED,
+    NOW,
+    PostgresOperations,
+)
 from django_syncguard.backends.database.wakeups import channel_name
 from django_syncguard.constants import FENCE_DIGITS
 from django_syncguard.waiting import Queue, WaitTicket, queue_admits
@@ -45,6 +49,15 @@ RELEASED = {
     "0007/acquire.sql": "dee8a2f2869a8900c28357149236262ea4901f7f4f117f5eb732a95fc48b72a0",
     "0007/acquire_legacy.sql": "695c98204b6ef0712fedd534607c9c25284b86b2fa8f7c335b634f99263adca1",
     "0007/drop.sql": "8ce561018bf190c58b7c6a398131fdfe958723cb43f0973952d37a6ac94ef3b6",
+    "0008/acquire.sql": "c8452a3531e539596a604ea97cedbb2617eefaab12d6cb88c0aad42f65e9823a",
+    "0008/acquire_legacy.sql": "5ef66b5c88ae4ccfd90fba2393b10920e8b943fd209ad87a69ff8a4676384b2c",
+    "0008/claim.sql": "0430fa82d55cf6c879207f79da73b3341d144b2676b80747829b57a6ada3bff7",
+    "0008/drop.sql": "5cfbecd431f21b6d00e60580568ed52f68d55cd86b67bbfa4aba5d4aa382fa75",
+    "0008/extend.sql": "d919f0bfb72beaf7f8bf0973e6bdfd197d56a04e1f3517c5be95ba598da64994",
+    "0008/hand_over.sql": "a7003ced40898ca2aa6f4c9dd7d5f01cc986a7dfa82407dfe61506fe3be4945a",
+    "0008/release.sql": "b3f1b868ef6fc79d3e10def2bc75df3a2e6ed84d52e32087f589934aaac7190b",
+    "0008/release_legacy.sql": "2e9cfc7b61c6d4dd35039b9e25f49c60dded5174c8c1a32d9eec9ef67f796436",
+    "0008/withdraw.sql": "04d5ee2e4e210c10b4d4cb03deddaff1228bca77c87352b8d0c8981eccb7ec60",
 }
 
 #: The SHA-256 of what each migration runs, forward and reverse, placeholders expanded:
@@ -73,6 +86,12 @@ MIGRATIONS = {
     ),
     ("0007_owners", "REVERSE"): (
         "49c1d3d3a57f90666dc8e8040369a17c962e213e90dab2b2e429cd4fd7839d45"
+    ),
+    ("0008_grants", "FORWARD"): (
+        "66fa2d749e14ab00035270f39062f32e1c25fbdda9d90168afacfe37dd114678"
+    ),
+    ("0008_grants", "REVERSE"): (
+        "51a2caa5b3748221654fac9c2e87a8cf65a67ef8350ef1dde6225cebb52540ca"
     ),
 }
 
@@ -272,7 +291,41 @@ def run_in_python() -> list[tuple[bool, int | None]]:
 
 
 @pytest.mark.django_db(transaction=True, databases=["postgres"])
-def test_the_sql_queue_rule_answers_as_the_python_one(pg: DatabaseBackend) -> None:
+def test_the_sql_queue_rule_answers_as_the_python_one(
+    pg: DatabaseBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Waiters that leave no grant record (as those of code before 0008): a release
+    # only wakes the first, which takes the key with its next attempt, as in Python.
+    monkeypatch.setattr(PostgresOperations, "grants", False)
     expected = [answer for action, _, answer in QUEUE_SCRIPT if action == "acquire"]
     assert run_in_python() == expected
     assert run_on_postgresql(pg, f"sql-queue:{uuid.uuid4().hex[:8]}") == expected
+
+
+# The same script where waiters take grants (0008): a release (or a withdrawal that
+# gives a grant back) hands the key to the first waiter at once, which leaves the queue;
+# its next attempt crosses the grant and returns its lock.
+GRANTED_ANSWERS = [
+    (True, None),
+    (False, 0),
+    (False, 1),
+    (False, 0),
+    (False, None),
+    (False, None),  # the release granted the key to a
+    (False, 1),  # c: only b is ahead now
+    (False, 0),
+    (False, 0),  # a withdrew: its grant went on to b; c is first
+    (True, None),  # b's attempt returns its grant
+    (False, 0),
+    (False, None),  # the release granted the key to c
+    (True, None),
+    (True, None),
+    (False, 0),
+    (True, None),
+]
+
+
+@pytest.mark.django_db(transaction=True, databases=["postgres"])
+def test_the_sql_queue_rule_with_grants(pg: DatabaseBackend) -> None:
+    assert pg.grants
+    assert run_on_postgresql(pg, f"sql-grants:{uuid.uuid4().hex[:8]}") == GRANTED_ANSWERS

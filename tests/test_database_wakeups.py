@@ -22,6 +22,7 @@ import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
+from unittest.mock import ANY
 
 import pytest
 from django.core.management import call_command
@@ -36,16 +37,20 @@ from django_syncguard import (
     signals,
 )
 from django_syncguard.backends.database import DatabaseBackend
+from django_syncguard.backends.database import wakeups as wakeups_module
+from django_syncguard.backends.database.postgresql import RELEASE
 from django_syncguard.backends.database.sqlite import QUEUE, queue_file
 from django_syncguard.backends.database.wakeups import DEAF_WARNING, channel_name
 from django_syncguard.constants import TIME_TOLERANCE_MS
+from django_syncguard.errors import ServiceUnavailable
 from django_syncguard.fencing import FENCE_MAX
 from django_syncguard.liveness import FakeClock
 from django_syncguard.results import AcquireResult
-from django_syncguard.waiting import GRANT_WINDOW_MS, WaitTicket
+from django_syncguard.waiting import GRANT_WINDOW_MS, Grant, WaitTicket
 from django_syncguard.waiting import channels as channels_module
 from django_syncguard.waiting import session as session_module
 from django_syncguard.waiting import tickets as tickets_module
+from django_syncguard.waiting.channels import Message
 from tests.support import wakeup_workers
 from tests.support.faults import wait_until
 from tests.support.harness import SqliteHarness
@@ -419,13 +424,253 @@ def test_a_withdrawal_wakes_the_next_waiter(pg, other):
     assert other.acquire("wake:withdraw", TTL, ticket=first).queue_position == 0
     listener = queue_and_subscribe(pg, "wake:withdraw", second)
     try:
-        assert other.release(held.lock_id).ok  # wakes ``first``, not us
+        # Grants the key to ``first`` (fence 2), not to us; we are only nudged to
+        # re-check after its window.
+        assert other.release(held.lock_id).ok
         assert listener.wait(0, None) is False
+        # ``first`` gives up: its grant goes back, and the key is granted to us.
         other.withdraw("wake:withdraw", first.id)
         assert listener.wait(WAKE_S, None) is True
-        assert pg.acquire("wake:withdraw", TTL, ticket=second).fence == "000000000000002"
+        assert listener.grant is not None and listener.grant.fence == 3
+        got = pg.acquire("wake:withdraw", TTL, ticket=second)  # crosses the grant
+        assert (got.fence, got.lock_id) == ("000000000000003", listener.grant.lock_id)
     finally:
         listener.close()
+
+
+def lock_row(backend: DatabaseBackend, key: str) -> dict[str, Any] | None:
+    """The lock row of ``key`` as stored (a grant's columns included), or None."""
+    rows = query(
+        backend,
+        "SELECT lock_id, fence, granted_to, grant_expires_at_ms FROM syncguard_locks "
+        "WHERE key = %s",
+        [backend.storage_key(key)],
+    )
+    if not rows:
+        return None
+    lock_id, fence, granted_to, told = rows[0]
+    return {"lock_id": lock_id, "fence": fence, "granted_to": granted_to, "told": told}
+
+
+@on_postgres
+def test_a_grant_from_another_process_lets_a_waiter_enter_without_another_acquire(
+    pg, children, monkeypatch
+):
+    """A holder in another process releases; the release grants the key to our waiter
+    (the first in line) and its NOTIFY carries the lock: ``lock()`` enters its body on
+    it, sending no acquire after the release, and the channel's thread claims the
+    grant on the server meanwhile."""
+    key = "wake:granted"
+    to_parent, from_parent = children.ctx.Queue(), children.ctx.Queue()
+    children.start(wakeup_workers.pg_holder, databases(), key, to_parent, from_parent)
+    assert reply(to_parent) == ("held", "000000000000001")
+    statuses: list[int] = []  # every acquire this backend sends, by its status
+    settled = threading.Event()  # an attempt sent after the LISTEN took effect returned
+    acquire = pg.ops.acquire
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        # Sent once the LISTEN took effect: the waiter's wake on confirmation is spent.
+        listening = pg.wake_ups.ready(key)
+        answer = acquire(*args, **kwargs)
+        statuses.append(answer[0])
+        if listening:
+            settled.set()
+        return answer
+
+    monkeypatch.setattr(pg.ops, "acquire", counting)
+    inside: dict[str, Any] = {}
+
+    def body() -> None:
+        lease = current_lock()
+        assert lease is not None
+        inside.update(lock_id=lease.lock_id, fence=lease.fence)
+        # The claim runs in the channel's thread, on its own connection.
+        wait_until(lambda: lock_row(pg, key)["told"] is None, WAKE_S, "the grant is claimed")
+        inside["row"] = lock_row(pg, key)
+
+    # No timer attempts: after the first ones, only the once-a-second check-in asks.
+    options = {"key": key, "using": pg, "ttl_ms": TTL, "timeout_ms": 60_000}
+    options.update(retry_delay_ms=60_000, backoff="fixed", jitter="none")
+    thread = threading.Thread(target=lock, args=(body,), kwargs=options)
+    thread.start()
+    try:
+        assert settled.wait(WAKE_S)
+        # The next check-in is a second away: nothing but the grant can let it in.
+        sent = len(statuses)
+        from_parent.put("release")
+        assert reply(to_parent) == ("released", True)
+        thread.join(WAKE_S)
+        assert not thread.is_alive()
+    finally:
+        from_parent.put("release")  # a child still waiting (the test failed first)
+        thread.join(WAKE_S)
+    assert len(statuses) == sent  # no acquire after the release
+    assert set(statuses) == {0}  # and none that took the key
+    assert inside["fence"] == "000000000000002"
+    row = inside["row"]
+    assert (row["lock_id"], row["fence"]) == (inside["lock_id"], "000000000000002")
+    assert row["granted_to"] is not None  # a grant, claimed: no told expiry left
+    assert lock_row(pg, key) is None  # released by lock() at the end
+    children.join()
+
+
+def test_a_notification_is_a_wake_up_or_a_grant():
+    assert wakeups_module._message("ch", "T") == Message("ch", "T", None)
+    assert wakeups_module._message("ch", "T L 2 123") == Message("ch", "T", Grant("L", 2, 123))
+    # A payload that does not parse still wakes its ticket, which then acquires.
+    assert wakeups_module._message("ch", "T L x 123") == Message("ch", "T", None)
+
+
+def test_a_failing_claim_is_logged_and_never_raised_into_the_channel_thread(caplog, monkeypatch):
+    def claim(grant: Grant) -> bool:
+        raise ServiceUnavailable("the server is gone")
+
+    monkeypatch.setattr(channels_module, "CLAIM_AFTER_S", 0.0)  # due at once
+
+    transport = wakeups_module.PostgresTransport(
+        "claims",
+        connect=None,
+        probe=None,
+        storage_key=str,  # type: ignore[arg-type]
+    )
+    wake_ups = wakeups_module.PostgresWakeUps(transport, reply_timeout_s=1.0, claim=claim)
+    listener = wake_ups.listen("k", "T")
+    try:
+        with caplog.at_level(logging.WARNING, logger=LOGGER):
+            assert wake_ups.deliver("k", "T", Grant("L", 2, 123)) is True
+            # What the channel's thread runs between reads: the claim is due.
+            wake_ups._claim_due()
+        assert listener.grant == Grant("L", 2, 123)
+        assert "Claiming a lock granted to a waiter of" in caplog.text
+        assert "the server is gone" in caplog.text
+        assert wake_ups._claims == {}
+    finally:
+        listener.close()
+        wake_ups.close()
+
+
+@pytest.mark.slow
+@on_postgres
+def test_a_waiter_killed_first_in_line_delays_the_key_by_its_grant_window(pg, other, children):
+    """A process queued first is killed (SIGKILL); the release grants it the key anyway
+    (its ticket is still live). Nobody claims the grant: it lapses after
+    GRANT_WINDOW_MS, and the next waiter (a thread here, which saw the grant go by)
+    tries again just after and takes the key. The delay is the window, not the dead
+    ticket's patience (2 s) nor a TTL."""
+    key = "wake:killed-first"
+    held = other.acquire(key, TTL)
+    entered: list[tuple[float, str]] = []
+    second = threading.Event()
+
+    def contended(sender: Any, alias: str, **kwargs: Any) -> None:
+        if alias == pg.alias:
+            second.set()
+
+    def body() -> None:
+        lease = current_lock()
+        assert lease is not None
+        entered.append((time.monotonic(), lease.fence))
+
+    queued, to_parent = children.ctx.Event(), children.ctx.Queue()
+    children.start(wakeup_workers.pg_waiter, databases(), key, queued, to_parent)
+    assert queued.wait(wakeup_workers.PATIENCE_S)
+    signals.lock_contended.connect(contended, weak=False)
+    thread = threading.Thread(
+        target=lock, args=(body,), kwargs={"key": key, "using": pg, "ttl_ms": TTL}
+    )
+    try:
+        thread.start()
+        assert second.wait(WAKE_S)  # queued behind the child
+        # Listening: the grant's NOTIFY will reach this process and nudge the thread.
+        wait_until(lambda: pg.wake_ups.ready(key), WAKE_S, "the key's channel is listened")
+        child = children.started[0]
+        os.kill(child.pid, signal.SIGKILL)
+        child.join(WAKE_S)
+        assert child.exitcode == -signal.SIGKILL
+
+        released_at = time.monotonic()
+        assert other.release(held.lock_id).ok
+        thread.join(WAKE_S)
+    finally:
+        signals.lock_contended.disconnect(contended)
+        children.terminate()
+    ((entered_at, fence),) = entered
+    delay_s = entered_at - released_at
+    print(f"killed first waiter delayed the key {delay_s * 1000:.0f} ms")
+    window_s = GRANT_WINDOW_MS / 1000
+    assert fence == "000000000000003"  # fence 2 went to the dead waiter's grant
+    assert window_s <= delay_s < window_s + 0.5
+
+
+@on_postgres
+def test_a_release_that_grants_commits_durably(pg, other):
+    """Decision 47: the release statement sets synchronous_commit off for its own
+    transaction; a release that grants the key writes a fence, so the function sets
+    it back on. The statement's select list runs from left to right, the 'off' before
+    the call, and the setting the transaction commits with is the one seen inside it
+    after the statement (the test server runs with synchronous_commit off: the session
+    sets it on first, as a production server has it)."""
+
+    def release_with(sql: str, lock_id: str) -> tuple[tuple[Any, ...], str]:
+        def work(cursor: Any) -> tuple[tuple[Any, ...], str]:
+            cursor.execute("SET synchronous_commit = on")
+            cursor.execute("BEGIN")
+            try:
+                cursor.execute(sql, [lock_id, TIME_TOLERANCE_MS])
+                row = tuple(cursor.fetchone())
+                cursor.execute("SELECT current_setting('synchronous_commit')")
+                (setting,) = cursor.fetchone()
+            finally:
+                cursor.execute("COMMIT")
+                cursor.execute("RESET synchronous_commit")
+            return row, str(setting)
+
+        return other.connections.run(work)
+
+    def held_and_waited(key: str, *, record: bool = True) -> tuple[str, WaitTicket]:
+        held = other.acquire(key, TTL)
+        ticket = WaitTicket.new()
+        waiter = pg if record else other_version
+        assert waiter.acquire(key, TTL, ticket=ticket).queue_position == 0
+        return held.lock_id, ticket
+
+    other_version = build("postgres")  # a waiter that leaves no grant record
+    other_version.ops.grants = False  # type: ignore[misc]
+    try:
+        # Nobody waits: the release alone, not durable.
+        alone = other.acquire("durable:alone", TTL)
+        assert release_with(RELEASE, alone.lock_id) == (("off", 1), "off")
+
+        # A waiter with a grant record: granted, durable.
+        lock_id, ticket = held_and_waited("durable:granted")
+        assert release_with(RELEASE, lock_id) == (("off", 1), "on")
+        row = lock_row(other, "durable:granted")
+        assert row is not None and (row["granted_to"], row["fence"]) == (
+            ticket.id,
+            "000000000000002",
+        )
+
+        # The same call with the 'off' after it (the order of code before 0008) would
+        # have committed the grant without waiting for its flush: the order matters.
+        late_off = (
+            "SELECT syncguard_release(%s, %s, true), set_config('synchronous_commit', 'off', true)"
+        )
+        lock_id, ticket = held_and_waited("durable:late-off")
+        assert release_with(late_off, lock_id) == ((1, "off"), "off")
+        assert lock_row(other, "durable:late-off")["granted_to"] == ticket.id
+
+        # Which is why the two-argument release that code sends never grants.
+        old = "SELECT syncguard_release(%s, %s), set_config('synchronous_commit', 'off', true)"
+        lock_id, ticket = held_and_waited("durable:old")
+        assert release_with(old, lock_id) == ((1, "off"), "off")
+        assert lock_row(other, "durable:old") is None  # only woken
+
+        # A waiter without a record (code before 0008) is only woken, not durably.
+        lock_id, ticket = held_and_waited("durable:no-record", record=False)
+        assert release_with(RELEASE, lock_id) == (("off", 1), "off")
+        assert lock_row(other, "durable:no-record") is None
+    finally:
+        other_version.close()
 
 
 @on_postgres
@@ -579,6 +824,26 @@ def test_the_reverse_migration_restores_the_previous_functions(
 
 def migrate_back_and_forth(alias: str) -> None:
     call_command("migrate", "django_syncguard", database=alias, verbosity=0)
+    # 0008: the twelve-argument acquire (grant records) and the three-argument release
+    # (grants), the claim and the hand-over; the eleven-argument acquire and the
+    # two-argument release became their wrappers.
+    assert functions(alias) == {
+        ("syncguard_acquire", 7, "sql"),
+        ("syncguard_acquire", 9, "sql"),
+        ("syncguard_acquire", 10, "sql"),
+        ("syncguard_acquire", 11, "sql"),
+        ("syncguard_acquire", 12, "plpgsql"),
+        ("syncguard_channel", 1, "sql"),
+        ("syncguard_claim", 2, "plpgsql"),
+        ("syncguard_extend", 3, "plpgsql"),
+        ("syncguard_hand_over", 5, "plpgsql"),
+        ("syncguard_release", 2, "sql"),
+        ("syncguard_release", 3, "plpgsql"),
+        ("syncguard_withdraw", 3, "plpgsql"),
+    }
+    assert {"granted_to", "grant_expires_at_ms"} <= columns(alias, "syncguard_locks")
+    assert "grant_window_ms" in columns(alias, "syncguard_waiters")
+    call_command("migrate", "django_syncguard", "0007", database=alias, verbosity=0)
     # 0007: the eleven-argument acquire (owner label); the ten-argument one became its
     # wrapper.
     assert functions(alias) == {
@@ -593,6 +858,9 @@ def migrate_back_and_forth(alias: str) -> None:
     }
     assert "owner" in columns(alias, "syncguard_locks")
     assert "queued_at_ms" in columns(alias, "syncguard_waiters")
+    assert "granted_to" not in columns(alias, "syncguard_locks")
+    assert "grant_window_ms" not in columns(alias, "syncguard_waiters")
+    assert "grant" not in release_source(alias) and "pg_notify" in release_source(alias)
     call_command("migrate", "django_syncguard", "0006", database=alias, verbosity=0)
     # 0006: the ten-argument acquire; the nine-argument one became its wrapper.
     assert functions(alias) == {
@@ -642,6 +910,18 @@ def migrate_back_and_forth(alias: str) -> None:
                 [generate_lock_id()],
             )
             assert cursor.fetchone()[:2] == (1, 1)
+            # And the eleven-argument one of code deployed before 0008 (no grant record).
+            cursor.execute(
+                "SELECT * FROM syncguard_acquire('oldest', 'fence:oldest', %s, 1000, NULL, 9, "
+                "1000, NULL, NULL, false, 'label')",
+                [generate_lock_id()],
+            )
+            assert cursor.fetchone() == (1, 1, ANY, None)
+            # Its two-argument release too.
+            cursor.execute("SELECT lock_id FROM syncguard_locks WHERE key = 'oldest'")
+            (lock_id,) = cursor.fetchone()
+            cursor.execute("SELECT syncguard_release(%s, 1000)", [lock_id])
+            assert cursor.fetchone() == (1,)
         assert backend.lookup(key="older").owner is None
         assert backend.acquire("migrated", TTL).fence == "000000000000001"
         assert backend.lookup(key="migrated").owner is not None
@@ -766,7 +1046,7 @@ def queue_columns(backend: DatabaseBackend) -> set[str]:
 NEVER = {"retry_delay_ms": 600_000, "backoff": "fixed", "jitter": "none", "timeout_ms": 600_000}
 
 
-def lock_row(backend: DatabaseBackend, key: str) -> tuple[Any, ...] | None:
+def lite_lock_row(backend: DatabaseBackend, key: str) -> tuple[Any, ...] | None:
     """(lock id, expires_at_ms, acquired_at_ms, fence) of the key's row, live or not."""
     rows = query(
         backend,
@@ -816,7 +1096,7 @@ def test_sqlite_grants_the_key_to_a_waiter_here_which_enters_without_another_acq
     def body() -> None:
         lease = current_lock()
         entered.update(lease=(lease.lock_id, lease.fence), calls=list(calls))
-        entered["row"] = lock_row(backend, "grant:here")
+        entered["row"] = lite_lock_row(backend, "grant:here")
 
     signals.lock_contended.connect(on_contended, weak=False)
     try:
@@ -854,7 +1134,7 @@ def test_sqlite_an_unclaimed_grant_lapses_after_the_window(lite):
     assert backend.acquire("grant:lapse", TTL, ticket=second).queue_position == 1
     granted_at = backend.now_ms()
     assert backend.release(held.lock_id).ok
-    assert lock_row(backend, "grant:lapse") == (
+    assert lite_lock_row(backend, "grant:lapse") == (
         gone.id,
         granted_at + GRANT_WINDOW_MS - TIME_TOLERANCE_MS,
         granted_at,
@@ -891,7 +1171,7 @@ def test_sqlite_a_waiter_elsewhere_claims_its_grant_with_its_next_attempt(lite):
     assert got.ok and got.fence == "000000000000002" and got.lock_id != ticket.id
     # Aged by the advance: the grant was made GRANT_WINDOW_MS - 1 ago.
     assert got.expires_at_ms == granted_at + 30_000 - (GRANT_WINDOW_MS - 1)
-    assert lock_row(backend, "grant:claim")[0] == got.lock_id
+    assert lite_lock_row(backend, "grant:claim")[0] == got.lock_id
     lite.advance(GRANT_WINDOW_MS)  # claimed: the window no longer applies
     assert backend.is_locked("grant:claim") is True
     assert backend.release(ticket.id).reason == "not-found"
@@ -915,12 +1195,12 @@ def test_sqlite_a_withdrawal_gives_a_grant_back_to_the_next_waiter():
         assert listen_first.wait(WAKE_S, None) is True
         grant = listen_first.grant
         assert grant is not None and (grant.lock_id, grant.fence) == (first.id, 2)
-        assert lock_row(backend, "grant:back")[1] == grant.expires_at_ms  # claimed
+        assert lite_lock_row(backend, "grant:back")[1] == grant.expires_at_ms  # claimed
         backend.withdraw("grant:back", first.id)
         assert listen_second.wait(WAKE_S, None) is True
         grant = listen_second.grant
         assert grant is not None and (grant.lock_id, grant.fence) == (second.id, 3)
-        assert lock_row(backend, "grant:back")[0] == second.id
+        assert lite_lock_row(backend, "grant:back")[0] == second.id
         assert backend.release(second.id).ok
     finally:
         listen_first.close()
@@ -949,7 +1229,7 @@ def test_sqlite_a_waiter_that_left_no_grant_request_is_only_woken():
         query(backend, f"UPDATE {QUEUE} SET grant_request = NULL", [])  # as older code
         assert backend.release(held.lock_id).ok
         assert listener.wait(WAKE_S, None) is True
-        assert listener.grant is None and lock_row(backend, "grant:old") is None
+        assert listener.grant is None and lite_lock_row(backend, "grant:old") is None
         got = backend.acquire("grant:old", TTL, ticket=ticket)
         assert got.ok and got.fence == "000000000000002"
         assert backend.release(got.lock_id).ok
@@ -1021,7 +1301,7 @@ def test_sqlite_a_grant_that_would_pass_the_maximum_fence_only_wakes_the_waiter(
         assert backend.acquire("grant:max", TTL, ticket=ticket).queue_position == 0
         assert backend.release(held.lock_id).ok
         assert listener.wait(0, None) is True and listener.grant is None
-        assert lock_row(backend, "grant:max") is None
+        assert lite_lock_row(backend, "grant:max") is None
         with pytest.raises(Internal, match="Fence counter"):
             backend.acquire("grant:max", TTL, ticket=ticket)
     finally:

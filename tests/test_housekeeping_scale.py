@@ -21,7 +21,6 @@ from typing import Any
 import pytest
 
 from django_syncguard import InvalidArgument
-from django_syncguard.backends.database.operations import LIST_PAGE
 from django_syncguard.backends.redis import MAX_SCANS_PER_PAGE
 from tests.support.harness import PostgresHarness, RedisHarness, SqliteHarness
 
@@ -178,7 +177,7 @@ def check_pages(backend) -> dict[str, int]:
 
 def list_page_statement(backend, cursor: str | None) -> tuple[str, Any]:
     _, statements = page_and_statements(backend, cursor)
-    (statement,) = [s for s in statements if s[0] == LIST_PAGE]
+    (statement,) = [s for s in statements if s[0] == backend.ops.list_page_sql]
     return statement
 
 

@@ -407,13 +407,14 @@ def test_the_acquire_script_touches_only_the_keys_it_declares(rh, monkeypatch):
     # Redis Cluster routes a script by its KEYS (issue 22): the floor must be one.
     backend = rh.redis
     declared: list[str] = []
-    script = backend._scripts["acquire"]
+    call = backend._call
 
-    def recording(*, keys: list[str], args: list[object]) -> object:
-        declared.extend(keys)
-        return script(keys=keys, args=args)
+    def recording(name: str, keys: list[str], args: list[object]) -> object:
+        if name == "acquire":
+            declared.extend(keys)
+        return call(name, keys, args)
 
-    monkeypatch.setitem(backend._scripts, "acquire", recording)
+    monkeypatch.setattr(backend, "_call", recording)
     backend.raise_fence_floor(10)
     ticket = WaitTicket.new()
     held = backend.acquire("declared", 60_000)

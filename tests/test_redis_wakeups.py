@@ -25,8 +25,10 @@ from django_syncguard.backends.redis import wakeups as redis_wakeups
 from django_syncguard.backends.redis.wakeups import RedisWakeUps
 from django_syncguard.waiting import GRANT_WINDOW_MS, WaitTicket
 from tests.support import redis_wakeup_workers as workers
+from tests.support.faults import wait_until
 from tests.support.harness import RedisHarness
 from tests.support.processes import Children
+from tests.test_fork import Forked
 
 TTL = 60_000
 WAKE_S = 10.0  # generous bound for an event that must arrive; never slept
@@ -186,7 +188,7 @@ def test_a_killed_connection_comes_back_at_once_and_resubscribes(rh):
     # The key it still waits on was resubscribed on the new connection.
     [again] = [c for cid, c in pubsub_clients(backend).items() if cid not in others]
     assert again["id"] != ours
-    assert again["sub"] == "1"
+    assert again["sub"] == "2"  # and the process's own channel (grants)
     mine = ticket()
     fresh = backend.wake_ups.listen("x:back", mine.id)
     try:
@@ -273,7 +275,7 @@ def test_one_pubsub_connection_per_process_for_any_number_of_waiters(rh):
         assert all(listener.healthy for listener in listeners)
         new = [c for cid, c in pubsub_clients(backend).items() if cid not in before]
         assert len(new) == 1
-        assert new[0]["sub"] == "5"  # one channel per key
+        assert new[0]["sub"] == "6"  # one channel per key, and the process's own
     finally:
         for listener in listeners:
             listener.close()
@@ -470,3 +472,109 @@ def test_a_waiter_killed_first_in_line_delays_the_key_by_its_grant_window(rh, qu
     # Fence 2 went to the dead waiter's grant.
     assert fence == "000000000000003"
     assert window_s <= delay_s < window_s + 0.5
+
+
+def test_a_grant_is_claimed_by_its_process_and_then_cannot_lapse(rh, queued_threads):
+    """A waiter enters on a grant, sending nothing more; its process claims the grant
+    CLAIM_AFTER_S later while the holder is still inside: the claim deadline is gone
+    from the hash, so the grant can no longer lapse."""
+    backend, key = rh.redis, "x:claimed"
+    claimed, inside, leave = threading.Event(), threading.Event(), threading.Event()
+    claim, acquire = backend.claim, backend.acquire
+    acquires: list[object] = []
+
+    def counted_claim(grant):
+        ok = claim(grant)
+        claimed.set()
+        return ok
+
+    def counted_acquire(*args, **kwargs):
+        result = acquire(*args, **kwargs)
+        acquires.append(result)
+        return result
+
+    backend.claim, backend.acquire = counted_claim, counted_acquire
+    held = backend.acquire(key, TTL)
+
+    def body() -> str:
+        inside.set()
+        assert leave.wait(WAKE_S)
+        return current_lock().lock_id
+
+    results: list[str] = []
+    queued_threads["holder"] = threading.Event()
+    thread = threading.Thread(
+        target=lambda: results.append(lock(body, key=key, using=backend, timeout_ms=60_000)),
+        name="holder",
+    )
+    thread.start()
+    try:
+        assert queued_threads["holder"].wait(WAKE_S)
+        assert backend.release(held.lock_id).ok
+        assert inside.wait(WAKE_S)
+        # Entered on the grant: every acquire the waiter sent found the key held.
+        assert [result.ok for result in acquires[1:]] == [False] * (len(acquires) - 1)
+        assert claimed.wait(WAKE_S)
+        fields = backend.client.hgetall(backend.lock_key(key))
+        assert b"g" not in fields and b"G" in fields
+    finally:
+        leave.set()
+        thread.join(WAKE_S)
+    assert results == [fields[b"i"].decode()]
+
+
+def test_a_grant_released_before_its_claim_is_never_claimed(rh, queued_threads):
+    backend, key = rh.redis, "x:short"
+    claimed: list[object] = []
+    claim = backend.claim
+
+    def counted_claim(grant):
+        claimed.append(grant)
+        return claim(grant)
+
+    backend.claim = counted_claim
+    held = backend.acquire(key, TTL)
+    results: list[str] = []
+    queued_threads["short"] = threading.Event()
+    thread = threading.Thread(
+        target=lambda: results.append(
+            lock(lambda: current_lock().lock_id, key=key, using=backend, timeout_ms=60_000)
+        ),
+        name="short",
+    )
+    thread.start()
+    assert queued_threads["short"].wait(WAKE_S)
+    assert backend.release(held.lock_id).ok
+    thread.join(WAKE_S)
+    # The hold ended before CLAIM_AFTER_S: its claim was dropped, never sent.
+    (lock_id,) = results
+    assert lock_id not in backend.wake_ups._claims
+    assert claimed == []
+    assert b"i" not in backend.client.hgetall(backend.lock_key(key))
+
+
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
+def test_a_forked_child_gets_a_grant_channel_of_its_own(rh):
+    """Grants are published on the waiter's process channel; a child forked from a
+    process that had one (Celery prefork) makes its own, and its waiter is granted
+    the key through it."""
+    backend, key = rh.redis, "x:fork-grant"
+    parents = backend.wake_ups.process_channel
+    assert parents is not None and parents.startswith(f"{rh.prefix}#w:")
+    held = backend.acquire(key, TTL)
+
+    def child() -> dict[str, str]:
+        channel = backend.wake_ups.process_channel
+        fence = lock(lambda: current_lock().fence, key=key, using=backend, timeout_ms=30_000)
+        return {"channel": channel, "fence": fence}
+
+    forked = Forked(child)
+    forked.go()
+    wait_until(
+        lambda: backend.client.hget(backend.lock_key(key), "q") == b"1", WAKE_S * 3, "queued"
+    )
+    assert backend.release(held.lock_id).ok
+    result = forked.result()
+    assert result["channel"] not in (None, parents)
+    assert int(result["fence"]) > int(held.fence)
+    assert backend.wake_ups.process_channel == parents  # the parent's is unchanged

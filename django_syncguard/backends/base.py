@@ -43,7 +43,7 @@ from ..fence_floors import (
 from ..fencing import check_fence
 from ..keys import normalize_and_validate_key, validate_lock_id
 from ..lifecycle import track
-from ..orphans import OrphanReleaser, SentRequest, watching_sends
+from ..orphans import OrphanReleaser, SentRequest
 from ..owners import QueueStats, owner_label, pinned, record_owner_option
 from ..results import (
     AcquireResult,
@@ -295,8 +295,9 @@ class BaseLockBackend(SanitizedLookups, ABC):
         queues the ticket, and a free key is taken only by the first live ticket.
         """
         key, ttl_ms, cancel = self._key_args(key, cancel, ttl_ms)
-        ticket = self._ticket_arg(ticket)
-        with watching_sends() as sent:
+        if ticket is not None:
+            ticket = self._ticket_arg(ticket)
+        with SentRequest() as sent:
             try:
                 result = self._acquire(key, ttl_ms, cancel, ticket)
             except BaseException as exc:
@@ -315,8 +316,9 @@ class BaseLockBackend(SanitizedLookups, ABC):
         ticket: WaitTicket | None = None,
     ) -> AcquireResult:
         key, ttl_ms, cancel = self._key_args(key, cancel, ttl_ms)
-        ticket = self._ticket_arg(ticket)
-        with watching_sends() as sent:
+        if ticket is not None:
+            ticket = self._ticket_arg(ticket)
+        with SentRequest() as sent:
             try:
                 result = await self._aacquire(key, ttl_ms, cancel, ticket)
             except BaseException as exc:  # a cancelled task too: its request may be out
@@ -344,11 +346,20 @@ class BaseLockBackend(SanitizedLookups, ABC):
         Safe to call without owning anything: it only ever removes that lock.
         """
         lock_id, _, cancel = self._id_args(lock_id, cancel)
+        self._no_claim_needed(lock_id)
         return self._release(lock_id, cancel)
 
     async def arelease(self, lock_id: str, *, cancel: Any = None) -> ReleaseResult:
         lock_id, _, cancel = self._id_args(lock_id, cancel)
+        self._no_claim_needed(lock_id)
         return await self._arelease(lock_id, cancel)
+
+    def _no_claim_needed(self, lock_id: str) -> None:
+        """A lock granted here and released before its process claimed it needs no
+        claim (the release claims it); without a registry built, nothing was granted."""
+        built: WakeUps | None = self.__dict__.get("_wake_ups_built")
+        if built is not None:
+            built.released(lock_id)
 
     def extend(self, lock_id: str, ttl_ms: int, *, cancel: Any = None) -> ExtendResult:
         """Reset the expiry of a live lock to now + ``ttl_ms``; never revives a dead one."""
@@ -706,7 +717,8 @@ class BaseLockBackend(SanitizedLookups, ABC):
         key = self._storable(normalize_and_validate_key(key))
         ttl = 0 if ttl_ms is _NO_TTL else validate_ttl(ttl_ms)
         cancel = validate_cancel(cancel)
-        check_cancel(cancel, {"key": key})
+        if cancel is not None:  # (no context dict built for the usual call without one)
+            check_cancel(cancel, {"key": key})
         return key, ttl, cancel
 
     def _id_args(
@@ -715,7 +727,8 @@ class BaseLockBackend(SanitizedLookups, ABC):
         lock_id = validate_lock_id(lock_id)
         ttl = 0 if ttl_ms is _NO_TTL else validate_ttl(ttl_ms)
         cancel = validate_cancel(cancel)
-        check_cancel(cancel, {"lock_id": lock_id})
+        if cancel is not None:
+            check_cancel(cancel, {"lock_id": lock_id})
         return lock_id, ttl, cancel
 
     def _lookup_args(

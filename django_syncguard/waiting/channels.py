@@ -52,6 +52,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from ..lifecycle import abandon
+from . import tickets
 from .listeners import WakeUps
 from .tickets import Grant
 
@@ -63,6 +64,11 @@ RECONNECT_MIN_S = 0.05
 RECONNECT_MAX_S = 2.0
 #: After the server refused a subscription (an ACL, for one), the next try.
 REFUSED_RETRY_S = 60.0
+#: A grant delivered here is claimed this long after it arrived, unless its holder
+#: released it first (a release claims it too): a short hold costs no claim, and a
+#: claim never competes with the waiter it woke. A quarter of the grant window leaves
+#: three quarters for the claim to reach the server.
+CLAIM_AFTER_S = tickets.GRANT_WINDOW_MS / 4000
 #: The thread looks at its idle channels and the connection's health this often at least.
 MAX_SELECT_S = 60.0
 
@@ -85,11 +91,13 @@ class Confirmed:
 
 @dataclass(frozen=True, slots=True)
 class Message:
-    """A release woke ``ticket_id`` on ``channel`` (with ``grant``: granted it the key)."""
+    """A release woke ``ticket_id`` on ``channel`` (with ``grant``: granted it the key;
+    with ``recheck``: granted it to another ticket, this one being next)."""
 
     channel: str
     ticket_id: str
     grant: Grant | None = None
+    recheck: bool = False
 
 
 Event = Confirmed | Message
@@ -200,6 +208,10 @@ class ChannelWorker(WakeUps):
         self._poke_r, self._poke_w = socket.socketpair()
         self._poke_r.setblocking(False)
         self._poke_w.setblocking(False)
+        # Grants delivered here and not claimed yet, by lock id: (due, key, grant), in
+        # arrival order, so by due time (see claim()).
+        self._claims: dict[str, tuple[float, str, Grant]] = {}
+        self._claims_lock = threading.Lock()
 
     # ------------------------------------------------------------------ state
     @property
@@ -255,6 +267,49 @@ class ChannelWorker(WakeUps):
         """Wake the thread's selector (a full socket pair is a poke already)."""
         with contextlib.suppress(OSError):
             self._poke_w.send(b"\0")
+
+    # ----------------------------------------------------------------- claims
+    def claim(self, key: str, grant: Grant) -> None:
+        """Claim a grant delivered to a waiter here :data:`CLAIM_AFTER_S` from now,
+        in this thread, unless its holder released it first (:meth:`released`)."""
+        with self._claims_lock:
+            self._claims[grant.lock_id] = (time.monotonic() + CLAIM_AFTER_S, key, grant)
+
+    def released(self, lock_id: str) -> None:
+        with self._claims_lock:
+            self._claims.pop(lock_id, None)
+
+    def _claim_due(self) -> float:
+        """Claim the grants whose time has come; seconds until the next one."""
+        now, due = time.monotonic(), []
+        with self._claims_lock:
+            while self._claims:
+                lock_id, (at, key, grant) = next(iter(self._claims.items()))
+                if at > now:
+                    break
+                del self._claims[lock_id]
+                due.append((key, grant))
+            next_s = next(iter(self._claims.values()))[0] - now if self._claims else MAX_SELECT_S
+        for key, grant in due:
+            try:
+                self._claim_on_server(key, grant)
+            except Exception as exc:  # the holder learns it at its release, if it lapses
+                self.transport.logger.warning(
+                    "Claiming a lock granted to a waiter of %s failed: %r.", self.name, exc
+                )
+        return next_s
+
+    def _claim_on_server(self, key: str, grant: Grant) -> None:
+        """Send the claim of ``grant`` (backends that grant)."""
+
+    def _pause(self, seconds: float) -> None:
+        """Wait between connections (or until closed), claiming what comes due."""
+        deadline = time.monotonic() + seconds
+        while not self._stop.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            self._stop.wait(min(left, self._claim_due()))
 
     # ------------------------------------------------------------ channel hooks
     def _subscribe(self, key: str) -> bool:
@@ -405,7 +460,7 @@ class ChannelWorker(WakeUps):
                 return
             except Refused as exc:
                 self._broken(exc)
-                self._stop.wait(REFUSED_RETRY_S)
+                self._pause(REFUSED_RETRY_S)
                 continue
             except Exception as exc:  # whatever broke the connection: report, retry
                 self._broken(exc)
@@ -413,7 +468,7 @@ class ChannelWorker(WakeUps):
                 failures = 1 if lived > RECONNECT_MAX_S else failures + 1
             finally:
                 self._disconnect(connection)
-            self._stop.wait(reconnect_delay_s(failures))
+            self._pause(reconnect_delay_s(failures))
             self._drain_pokes()
 
     def _mine(self) -> bool:
@@ -481,7 +536,7 @@ class ChannelWorker(WakeUps):
                 next_expiry = self._reconcile(connection)
                 if next_expiry is None:
                     return
-                timeout = min(next_expiry, connection.check(), MAX_SELECT_S)
+                timeout = min(next_expiry, connection.check(), MAX_SELECT_S, self._claim_due())
                 selector.select(max(timeout, 0.0))
                 self._drain_pokes()
 
@@ -525,7 +580,11 @@ class ChannelWorker(WakeUps):
             if isinstance(event, Message):
                 with self._cond:
                     key = self._channels.get(event.channel)
-                if key is not None:
+                if key is None:
+                    continue
+                if event.recheck:
+                    self.recheck(key, event.ticket_id)
+                else:
                     self.deliver(key, event.ticket_id, event.grant)
 
     def _confirm(self, channels: Iterable[str]) -> None:

@@ -33,6 +33,11 @@ logger = logging.getLogger("django_syncguard.waiting")
 _CANCEL_SLICE_S = 0.025
 
 
+def _recheck_at() -> float:
+    """When a waiter that saw a grant go to another ticket tries again."""
+    return time.monotonic() + (tickets.GRANT_WINDOW_MS + tickets.RECHECK_MARGIN_MS) / 1000
+
+
 class Listener:
     """One waiter's registration with a :class:`WakeUps`: woken by a release meant
     for its ticket, by a lost connection, or by its own timer."""
@@ -206,8 +211,8 @@ class WakeUps:
         """Wake the waiter holding ``ticket_id`` on ``key`` (every waiter on ``key``
         when ``ticket_id`` is None); False when none is in this process.
 
-        With ``grant``, the key was granted to ``ticket_id``: its waiter gets the grant
-        and :meth:`claim` runs (in the delivering thread, after the wake); the other
+        With ``grant``, the key was granted to ``ticket_id``: :meth:`claim` runs (in the
+        delivering thread, before the wake) and its waiter gets the grant; the other
         waiters of ``key`` here set their re-check past the grant's window."""
         with self._mutex:
             waiting = self._listeners.get(key, {})
@@ -215,21 +220,37 @@ class WakeUps:
             others = [lst for tid, lst in waiting.items() if tid != ticket_id] if grant else []
         woken = [listener for listener in found if listener is not None]
         if grant is not None:
-            window_ms = tickets.GRANT_WINDOW_MS + tickets.RECHECK_MARGIN_MS
-            recheck = time.monotonic() + window_ms / 1000
             for other in others:
-                other.nudge(recheck)
+                other.nudge(_recheck_at())
+        if grant is not None and woken:
+            # Before the wake: the waiter may release at once, and a release drops
+            # the claim it finds pending (released()).
+            self.claim(key, grant)
         for listener in woken:
             if grant is not None:
                 listener.grant = grant
             listener.wake()
-        if grant is not None and woken:
-            self.claim(key, grant)
+        if woken:
+            # Hand the GIL to the woken waiter now: otherwise it waits until this
+            # thread blocks (or for the interpreter's 5 ms switch interval).
+            time.sleep(0)
         return bool(woken)
+
+    def recheck(self, key: str, ticket_id: str) -> None:
+        """The key was granted to another waiter, and ``ticket_id`` is next: its
+        waiter tries again once that grant's window is over, in case it lapses."""
+        with self._mutex:
+            listener = self._listeners.get(key, {}).get(ticket_id)
+        if listener is not None:
+            listener.nudge(_recheck_at())
 
     def claim(self, key: str, grant: Grant) -> None:
         """Tell the server that the waiter a grant of ``key`` reached is alive, so the
         grant does not lapse (registries of backends that grant)."""
+
+    def released(self, lock_id: str) -> None:
+        """The holder of ``lock_id`` is releasing it: a claim not sent yet is not
+        needed (a release claims too)."""
 
     def connection_lost(self) -> None:
         """The channel broke: every waiter polls from now on (its listener is no

@@ -43,15 +43,17 @@ def queue_admits(
     return False, sum(1 for number, _ in queue.values() if number < first)
 
 
-def unclaimed_expiry(now_ms: int, ttl_ms: int) -> int:
+def unclaimed_expiry(now_ms: int, ttl_ms: int, window_ms: int | None = None) -> int:
     """The expiry to store for a lock granted at ``now_ms`` whose waiter has not yet
     claimed it (the backends that decide in Python).
 
     Liveness everywhere is ``expiry + TIME_TOLERANCE_MS > now``; this expiry makes
-    that end exactly at the claim deadline (``now_ms + GRANT_WINDOW_MS``), or at the
+    that end exactly at the claim deadline (``now_ms`` + ``window_ms``, by default
+    :data:`~.tickets.GRANT_WINDOW_MS`), or at the
     lease's own end when the ttl is shorter. So a grant nobody claims is gone for every
     operation at its deadline, with no tolerance and no other field to consult; a
     claim (or the holder's extend) writes the lease's expiry.
     """
-    deadline = now_ms + tickets.GRANT_WINDOW_MS - TIME_TOLERANCE_MS
+    window = tickets.GRANT_WINDOW_MS if window_ms is None else window_ms
+    deadline = now_ms + window - TIME_TOLERANCE_MS
     return min(now_ms + ttl_ms, deadline)

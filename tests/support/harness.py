@@ -96,10 +96,12 @@ class DatabaseHarness(Harness):
             cursor.execute(sql, params)
 
     def advance(self, ms: int) -> None:
+        # An unclaimed grant's told expiry too (its deadline is in expires_at_ms).
         self.execute(
             "UPDATE syncguard_locks SET expires_at_ms = expires_at_ms - %s, "
-            "acquired_at_ms = acquired_at_ms - %s",
-            [ms, ms],
+            "acquired_at_ms = acquired_at_ms - %s, "
+            "grant_expires_at_ms = grant_expires_at_ms - %s",
+            [ms, ms, ms],
         )
         # Wait tickets too: a waiter that stopped checking in loses its place.
         self.execute("UPDATE syncguard_waiters SET live_until_ms = live_until_ms - %s", [ms])

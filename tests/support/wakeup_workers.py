@@ -66,3 +66,31 @@ def sqlite_waiter(databases: dict[str, dict[str, Any]], key: str, index: int, to
         to_parent.put(exc)
     finally:
         backend.close()
+
+
+def pg_waiter(databases: dict[str, dict[str, Any]], key: str, queued, to_parent) -> None:
+    """Wait for ``key`` on PostgreSQL with ``lock()``; set ``queued`` after the first
+    contended attempt (the ticket is in the queue by then), then report
+    ``("acquired", fence)`` from inside the critical section."""
+    setup_django(databases)
+    from django_syncguard import current_lock, lock, signals
+    from django_syncguard.backends.database import DatabaseBackend
+
+    backend = DatabaseBackend("waiter", {"OPTIONS": {"DATABASE": "postgres"}})
+
+    def contended(sender: Any, **kwargs: Any) -> None:
+        queued.set()
+
+    signals.lock_contended.connect(contended, weak=False)
+
+    def section() -> None:
+        lease = current_lock()
+        assert lease is not None
+        to_parent.put(("acquired", lease.fence))
+
+    try:
+        lock(section, key=key, using=backend, ttl_ms=60_000, timeout_ms=PATIENCE_S * 1000)
+    except Exception as exc:
+        to_parent.put(exc)
+    finally:
+        backend.close()

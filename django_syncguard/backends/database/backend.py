@@ -27,7 +27,7 @@ from ...results import (
     ReleaseResult,
     TimeAuthority,
 )
-from ...waiting import WaitTicket, WakeUps
+from ...waiting import Grant, WaitTicket, WakeUps, tickets
 from ..base import BaseLockBackend, BatchedCleanup
 from .connections import REPLY_MARGIN_S, PrivateConnections, close_quietly
 from .errors import may_have_run
@@ -142,7 +142,16 @@ class DatabaseBackend(BatchedCleanup, BaseLockBackend):
 
     @property
     def grants(self) -> bool:
-        return self.ops.grants
+        """A release grants the key to the first live waiter (PostgreSQL, with
+        wake-ups: this backend's waiters leave grant records)."""
+        return self.wake_ups_enabled and self.ops.grants
+
+    def claim(self, grant: Grant) -> bool:
+        """Claim a grant delivered to a waiter of this process, so that it does not
+        lapse (the listener's thread calls it once the waiter is woken, on that
+        thread's own private connection). False when it had lapsed, or was released or
+        taken over already."""
+        return self.ops.claim(grant.lock_id) == 1
 
     def _queued(self, key: str) -> None:
         """A waiter's ticket was just queued: its wake-ups must reach this process (on
@@ -164,6 +173,7 @@ class DatabaseBackend(BatchedCleanup, BaseLockBackend):
             run_once=self.connections.run_once,
             storage_key=self.storage_key,
             reply_timeout_s=reply_timeout_s,
+            claim=self.claim if self.grants else None,
         )
 
     def _listen_connection(self) -> BaseDatabaseWrapper:
@@ -202,7 +212,7 @@ class DatabaseBackend(BatchedCleanup, BaseLockBackend):
     ) -> AcquireResult:
         lock_id = note_sent(generate_lock_id())
         check_cancelled = partial(check_cancel, cancel, {"key": key})
-        status, fence, expires, position = self.ops.acquire(
+        status, fence, expires, position, granted = self.ops.acquire(
             self.storage_keys(key),
             lock_id,
             ttl_ms,
@@ -210,6 +220,7 @@ class DatabaseBackend(BatchedCleanup, BaseLockBackend):
             ticket,
             clock=self.fence_mode == "clock",
             owner=self._owner(),
+            grant_window_ms=tickets.GRANT_WINDOW_MS if self.grants else None,
         )
         if status == FENCE_OVERFLOW:
             raise fence_overflow_error(key)
@@ -217,6 +228,8 @@ class DatabaseBackend(BatchedCleanup, BaseLockBackend):
             if ticket is not None:
                 self._queued(key)
             return AcquireResult.locked(None if position is None else int(position))
+        if granted is not None:  # a release had granted the key to this ticket: its lock
+            lock_id = str(granted)
         return AcquireResult(
             ok=True, lock_id=lock_id, expires_at_ms=int(expires), fence=format_fence(int(fence))
         )

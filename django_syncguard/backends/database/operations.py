@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, Protocol, TypeAlias
 
 from ...liveness import Clock, system_clock_ms
 from ...results import TimeAuthority
-from ...waiting import WaitTicket
+from ...waiting import Grant, WaitTicket
 from .sql import FLOOR_KEY
 
 if TYPE_CHECKING:
@@ -34,11 +34,13 @@ Row: TypeAlias = Sequence[Any]
 #: path both report it.
 LOCKED, ACQUIRED, FENCE_OVERFLOW = 0, 1, 2
 
-#: ``(status, fence, expires_at_ms, queue_position)`` of an acquire; the fence (an int)
-#: and the expiry are the new lock's when the status is ACQUIRED, else None; the
-#: position is the caller's ticket's place among the key's live waiters (0 = next)
-#: when the status is LOCKED and a ticket was queued, else None.
-AcquireReply: TypeAlias = tuple[int, Any, Any, Any]
+#: ``(status, fence, expires_at_ms, queue_position, granted_lock_id)`` of an acquire;
+#: the fence (an int) and the expiry are the new lock's when the status is ACQUIRED,
+#: else None; the position is the caller's ticket's place among the key's live waiters
+#: (0 = next) when the status is LOCKED and a ticket was queued, else None; the lock id
+#: is that of a lock a release had granted to the caller's ticket (the attempt crossed
+#: the grant: the answer is that lock), else None (the attempt's own lock id).
+AcquireReply: TypeAlias = tuple[int, Any, Any, Any, Any]
 
 LOCK_COLUMNS = "key, lock_id, expires_at_ms, acquired_at_ms, fence, user_key, owner"
 
@@ -101,6 +103,9 @@ class WakeUpHooks(NamedTuple):
     #: The longest the listener's thread can be busy with the server (``close()``
     #: waits that long for it).
     reply_timeout_s: float
+    #: Claim a grant delivered to a waiter of this process, from the listener's thread
+    #: (vendors that grant; see ``DatabaseBackend.claim``).
+    claim: Callable[[Grant], bool] | None = None
 
 
 class StorageKeys(NamedTuple):
@@ -130,6 +135,12 @@ class DatabaseOperations(ABC):
     #: Send statements on the driver's own cursor, reused, when nothing watches the
     #: queries (parameters bound by the server: no quoting in Python).
     direct_cursor: ClassVar[bool] = False
+    #: A release grants the key to the first live waiter that left a grant record
+    #: (``specs/decisions.md``, 48), when the backend keeps queues.
+    grants: ClassVar[bool] = False
+    #: The statement of :meth:`list_page` (a vendor that stores an expiry differently
+    #: reads it with an expression of its own).
+    list_page_sql: ClassVar[str] = LIST_PAGE
 
     def __init__(
         self, run: Runner, clock: Clock = system_clock_ms, *, database: str, queues: bool = True
@@ -141,12 +152,6 @@ class DatabaseOperations(ABC):
         self.database = database
         #: Whether the backend keeps wait queues (``OPTIONS["WAKE_UPS"]``).
         self.queues = queues
-
-    @property
-    def grants(self) -> bool:
-        """Whether a release grants the key to its first live waiter
-        (``BaseLockBackend.grants``)."""
-        return False
 
     def prepare_connection(self, raw: Any) -> None:
         """Set up a new private driver connection, before Django's own set-up."""
@@ -194,6 +199,7 @@ class DatabaseOperations(ABC):
         *,
         clock: bool,
         owner: str | None = None,
+        grant_window_ms: int | None = None,
     ) -> AcquireReply:
         """Take the lock if no live one holds it and no live waiter is ahead of
         ``ticket`` (see ``AcquireReply`` and :mod:`django_syncguard.waiting`); queue the
@@ -202,7 +208,9 @@ class DatabaseOperations(ABC):
         is ``fence_floors.next_fence`` of the key's counter, the floor and, with
         ``clock`` (clock mode), the time authority's clock, all read in the acquire's
         atomic step; the counter is written with the acquisition's time. ``owner``
-        (the holder's label, or None) is stored with the lock."""
+        (the holder's label, or None) is stored with the lock. With ``grant_window_ms``
+        (vendors that grant), a queued ticket leaves a grant record: a release may write
+        the lock for it, to be claimed within that window."""
 
     @abstractmethod
     def release(self, lock_id: str) -> tuple[bool, bool]:
@@ -218,6 +226,11 @@ class DatabaseOperations(ABC):
     @abstractmethod
     def make_wake_ups(self, name: str, hooks: WakeUpHooks) -> DatabaseWakeUps:
         """This vendor's wake-ups for the backend ``name`` (see ``wakeups.py``)."""
+
+    def claim(self, lock_id: str) -> int:
+        """Claim the grant ``lock_id`` (vendors that grant): 1 claimed (or claimed
+        already), 2 it lapsed or expired, 0 not found."""
+        raise NotImplementedError(f"{self.backend_name} does not grant")
 
     def deploy_check(self, alias: str, hooks: WakeUpHooks) -> list[Any]:
         """Check messages that need the server (``manage.py check --deploy``)."""
@@ -247,7 +260,7 @@ class DatabaseOperations(ABC):
         ``live_after``, whose storage or user key starts with ``prefix``."""
         size = len(prefix)
         params = [after, live_after, size, prefix, size, prefix, limit]
-        return self.run(lambda c: fetch_all(c, LIST_PAGE, params))
+        return self.run(lambda c: fetch_all(c, self.list_page_sql, params))
 
     def queue_stats(self, storage_keys: list[str]) -> list[Row]:
         """``(storage key, live waiters, earliest queued_at_ms or None)`` of each of

@@ -1,10 +1,12 @@
 """PostgreSQL: server time, one statement (one round trip) per operation.
 
-Acquire, release, withdraw and extend call the PL/pgSQL functions of migrations 0002,
-0005 and 0006; the other operations are single statements that read the server's clock
-when they run. Release and withdraw wake the key's first waiter with ``NOTIFY``, which
-``wakeups.PostgresWakeUps`` hears. ``specs/backends/database.md`` (Operations on
-PostgreSQL, Queues and wake-ups) gives the steps of each and why they are atomic.
+Acquire, release, withdraw, extend and claim call the PL/pgSQL functions of
+migrations 0002 to 0008; the other operations are single statements that read the
+server's clock when they run. Release and withdraw grant the key to its first waiter
+(or only wake it) with ``NOTIFY``, which ``wakeups.PostgresWakeUps`` hears; its process
+claims a grant through :meth:`PostgresOperations.claim`. ``specs/backends/database.md``
+(Operations on PostgreSQL, Queues and wake-ups, Grants) gives the steps of each and why
+they are atomic.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from .errors import map_database_error
 from .operations import (
     FENCE_PREFIX,
     IDLE_COUNTER,
+    LIST_PAGE,
     LOCK_COLUMNS,
     AcquireReply,
     DatabaseOperations,
@@ -44,17 +47,24 @@ NOW = f"SELECT {NOW_MS}"
 #: FLOOR_KEY as an SQL literal, as the functions have it.
 FLOOR = PLACEHOLDERS["floor_key"]
 
-# Functions installed by migrations 0002, 0005, 0006 and 0007 (their SQL: sql/0002/,
-# sql/0005/, sql/0006/, sql/0007/). Acquire's status is LOCKED, ACQUIRED or FENCE_OVERFLOW (with
-# the ticket's queue position); release's and extend's: 1 = done, 2 = expired, 0 = not
-# found.
-ACQUIRE = "SELECT * FROM syncguard_acquire(%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
+# Functions installed by migrations 0002 to 0008 (their SQL: sql/0002/ to sql/0008/).
+# Acquire's status is LOCKED, ACQUIRED or FENCE_OVERFLOW (with the ticket's queue
+# position, and the lock id of a grant the attempt crossed); release's, extend's and
+# claim's: 1 = done, 2 = expired (or a lapsed grant), 0 = not found.
+ACQUIRE = "SELECT * FROM syncguard_acquire(%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
 # A release commits without waiting for its WAL flush (local to its own transaction;
 # acquires and extends stay durable): lost in a server crash, it leaves the lock to
 # its TTL, as a crashed holder does, and the next durable commit flushes it anyway.
-# See specs/backends/database.md, Durability of a release.
-RELEASE = "SELECT syncguard_release(%s, %s), set_config('synchronous_commit', 'off', true)"
+# A release that grants the key writes a fence, which must be durable: the function
+# sets synchronous_commit back on for its transaction, so the 'off' must come first.
+# The select list is evaluated from left to right, set_config before the call
+# (tests/test_database_wakeups.py checks which setting the commit gets). See
+# specs/backends/database.md, Durability of a release.
+# Any release may grant: a waiter that takes grants left a record, whatever this
+# backend's own WAKE_UPS.
+RELEASE = "SELECT set_config('synchronous_commit', 'off', true), syncguard_release(%s, %s, true)"
 EXTEND = "SELECT * FROM syncguard_extend(%s, %s, %s)"
+CLAIM = "SELECT syncguard_claim(%s, %s)"
 WITHDRAW = "SELECT syncguard_withdraw(%s, %s, %s)"
 NOTIFY = "SELECT pg_notify(%s, %s)"
 
@@ -98,8 +108,14 @@ SELECT EXISTS (
 )
 """
 
+# A lock row as LOCK_COLUMNS, with the expiry its holder was told: an unclaimed grant's
+# expires_at_ms is its claim deadline less the tolerance (sql/0008/hand_over.sql).
+GRANTED_LOCK_COLUMNS = LOCK_COLUMNS.replace(
+    "expires_at_ms", "coalesce(grant_expires_at_ms, expires_at_ms)", 1
+)
+
 LOOKUP = (
-    f"SELECT {LOCK_COLUMNS} FROM syncguard_locks "
+    f"SELECT {GRANTED_LOCK_COLUMNS} FROM syncguard_locks "
     f"WHERE {{column}} = %s AND expires_at_ms > {NOW_MS} - %s"
 )
 
@@ -217,6 +233,8 @@ class PostgresOperations(DatabaseOperations):
     time_authority: ClassVar[TimeAuthority] = "server"
     over_network: ClassVar[bool] = True
     direct_cursor: ClassVar[bool] = True
+    grants: ClassVar[bool] = True
+    list_page_sql: ClassVar[str] = LIST_PAGE.replace(LOCK_COLUMNS, GRANTED_LOCK_COLUMNS, 1)
 
     @classmethod
     def startup_settings_lost(cls, raw: Any, operation_timeout_ms: int) -> bool:
@@ -275,6 +293,7 @@ class PostgresOperations(DatabaseOperations):
         *,
         clock: bool,
         owner: str | None = None,
+        grant_window_ms: int | None = None,
     ) -> AcquireReply:
         params = [
             keys.storage_key,
@@ -288,16 +307,24 @@ class PostgresOperations(DatabaseOperations):
             None if ticket is None else ticket.patience_ms,
             clock,
             owner,
+            None if ticket is None else grant_window_ms,
         ]
         # One statement: ``cancel`` was checked before dispatch. Checking it after
         # the commit would raise while holding a lock the caller never learns of.
-        status, fence, expires, position = self.run(lambda c: fetch_one(c, ACQUIRE, params))
-        return status, fence, expires, position
+        status, fence, expires, position, granted = self.run(
+            lambda c: fetch_one(c, ACQUIRE, params)
+        )
+        return status, fence, expires, position, granted
 
     def release(self, lock_id: str) -> tuple[bool, bool]:
         params = [lock_id, TIME_TOLERANCE_MS]
-        status = self.run(lambda c: fetch_value(c, RELEASE, params))
-        return status == 1, status == 2  # the function NOTIFYs the next waiter
+        # The function grants the key to (or NOTIFYs) the next waiter.
+        _, status = self.run(lambda c: fetch_one(c, RELEASE, params))
+        return status == 1, status == 2
+
+    def claim(self, lock_id: str) -> int:
+        params = [lock_id, TIME_TOLERANCE_MS]
+        return int(self.run(lambda c: fetch_value(c, CLAIM, params)))
 
     def withdraw(self, keys: StorageKeys, key: str, ticket_id: str) -> None:
         params = [keys.storage_key, ticket_id, TIME_TOLERANCE_MS]
@@ -307,7 +334,7 @@ class PostgresOperations(DatabaseOperations):
         transport = PostgresTransport(
             name, connect=hooks.listen, probe=partial(_probe, hooks), storage_key=hooks.storage_key
         )
-        return PostgresWakeUps(transport, reply_timeout_s=hooks.reply_timeout_s)
+        return PostgresWakeUps(transport, reply_timeout_s=hooks.reply_timeout_s, claim=hooks.claim)
 
     def deploy_check(self, alias: str, hooks: WakeUpHooks) -> list[Any]:
         """``syncguard.W012`` when a connection that LISTENs does not receive a

@@ -78,11 +78,6 @@ logger = logging.getLogger("django_syncguard.backends.database")
 #: waiter is only to be woken.
 Granted: TypeAlias = tuple[str, Grant | None]
 
-#: Whether SQLite grants a released key to its first live waiter (decision 48). The
-#: waiters of other processes find their grant at their next poll (no channel reaches
-#: them); see specs/backends/database.md, SQLite, for what it costs and gains.
-GRANTS = True
-
 SELECT_LOCK = "SELECT expires_at_ms FROM syncguard_locks WHERE key = %s"
 # The key's lock and who holds it: a lock granted to a waiter and not yet claimed by
 # that waiter's next attempt is named by the waiter's ticket id (the waiter cannot
@@ -324,9 +319,15 @@ class SqliteOperations(DatabaseOperations):
     def now_ms(self) -> int:
         return self.clock()
 
+    #: A release grants the key to its first live waiter (decision 48). The waiters of
+    #: other processes find their grant at their next poll (no channel reaches them);
+    #: see specs/backends/database.md, SQLite, for what it costs and gains.
+    grants: ClassVar[bool] = True
+
     @property
-    def grants(self) -> bool:
-        return self.queues and GRANTS
+    def _grants(self) -> bool:
+        """Grants are made here: this vendor grants and the backend keeps queues."""
+        return self.queues and self.grants
 
     def acquire(
         self,
@@ -338,9 +339,20 @@ class SqliteOperations(DatabaseOperations):
         *,
         clock: bool,
         owner: str | None = None,
+        grant_window_ms: int | None = None,
     ) -> AcquireReply:
+        # A queued ticket leaves its grant request only when the backend asks for
+        # grants (``grant_window_ms``): what the lock written for it will be.
+        request = None
+        if ticket is not None and grant_window_ms is not None and self._grants:
+            request = json.dumps(
+                [ttl_ms, int(clock), owner, keys.user_key, keys.fence_key, grant_window_ms],
+                separators=(",", ":"),
+            )
         return self.run(
-            lambda c: self._acquire(c, keys, lock_id, ttl_ms, check_cancel, ticket, clock, owner)
+            lambda c: self._acquire(
+                c, keys, lock_id, ttl_ms, check_cancel, ticket, clock, owner, request
+            )
         )
 
     def _acquire(
@@ -353,6 +365,7 @@ class SqliteOperations(DatabaseOperations):
         ticket: WaitTicket | None,
         clock: bool,
         owner: str | None = None,
+        request: str | None = None,
     ) -> AcquireReply:
         """Acquire in one transaction that holds the database lock from its start, so
         no other writer runs between the reads and the writes. A ticket for a held key,
@@ -360,11 +373,6 @@ class SqliteOperations(DatabaseOperations):
         alone. With grants, a ticket that finds the key granted to it claims that lock
         instead, and an attempt that finds the key free behind another waiter grants it
         to that waiter first."""
-        request = None
-        if ticket is not None and self.grants:
-            request = json.dumps(
-                [ttl_ms, int(clock), owner, keys.user_key, keys.fence_key], separators=(",", ":")
-            )
         state = self._begin_unless_held(cursor, keys.storage_key, ticket)
         if state == _BEGUN:
             try:
@@ -386,14 +394,14 @@ class SqliteOperations(DatabaseOperations):
             # this attempt is the first to notice. The key goes to that waiter now.
             self._grant_next(cursor, keys.user_key or keys.storage_key, keys.storage_key)
         if ticket is None:
-            return LOCKED, None, None, None
+            return LOCKED, None, None, None, None
         crossed, position = self._enqueue(cursor, keys.storage_key, ticket, request)
         if crossed:
             claimed = self._claim_crossed(cursor, keys, lock_id, ttl_ms, ticket, check_cancel)
             if claimed is not None:
                 return claimed
             position = 0  # the grant lapsed meanwhile: try again soon
-        return LOCKED, None, None, position
+        return LOCKED, None, None, position, None
 
     def _begin_unless_held(
         self, cursor: Any, storage_key: str, ticket: WaitTicket | None = None
@@ -445,7 +453,7 @@ class SqliteOperations(DatabaseOperations):
         head = queue_head(queue, now)
         if head is None or (ticket is not None and head == ticket.id):
             return None
-        return _BEHIND_GRANTABLE if self.grants and requests.get(head) else _BEHIND
+        return _BEHIND_GRANTABLE if self._grants and requests.get(head) else _BEHIND
 
     @staticmethod
     def _live(cursor: Any, storage_key: str, now: int) -> bool:
@@ -484,11 +492,11 @@ class SqliteOperations(DatabaseOperations):
         if not take:
             check_cancel()  # before the queue's writes
             wrote = _write_queue(cursor, keys.storage_key, before, queue, now, request)
-            return (LOCKED, None, None, position), wrote
+            return (LOCKED, None, None, position, None), wrote
         last, floor = fetch_one(cursor, SELECT_FENCES, [keys.fence_key, FLOOR_KEY])
         fence = next_fence(int(last or 0), int(floor or 0), now if clock else None)
         if fence > FENCE_MAX:
-            return (FENCE_OVERFLOW, None, None, None), False
+            return (FENCE_OVERFLOW, None, None, None, None), False
         check_cancel()  # after the reads, before the writes
         _write_queue(cursor, keys.storage_key, before, queue, now)
         cursor.execute(
@@ -504,7 +512,7 @@ class SqliteOperations(DatabaseOperations):
             ],
         )
         cursor.execute(UPSERT_FENCE, [keys.fence_key, fence, now])
-        return (ACQUIRED, fence, now + ttl_ms, None), True
+        return (ACQUIRED, fence, now + ttl_ms, None, None), True
 
     def _claim_crossed(
         self,
@@ -536,7 +544,7 @@ class SqliteOperations(DatabaseOperations):
                 row = fetch_row(cursor, CLAIM_CROSSED, params)
         if row is None:
             return None
-        return ACQUIRED, int(row[0]), int(row[1]), None
+        return ACQUIRED, int(row[0]), int(row[1]), None, None  # renamed: this lock id
 
     def _enqueue(
         self, cursor: Any, storage_key: str, ticket: WaitTicket, request: str | None = None
@@ -550,7 +558,7 @@ class SqliteOperations(DatabaseOperations):
         with _transaction(cursor, "BEGIN"):
             now = self.clock()
             cursor.execute(PRUNE_QUEUE, [storage_key, now])
-            if self.grants:
+            if self._grants:
                 holder = fetch_row(cursor, SELECT_HOLDER, [storage_key])
                 if (
                     holder is not None
@@ -591,7 +599,7 @@ class SqliteOperations(DatabaseOperations):
 
     def release(self, lock_id: str) -> tuple[bool, bool]:
         now = self.clock()
-        if not self.grants:
+        if not self._grants:
             return self._release_and_wake(lock_id, now)
         wake_ups = self._local()
 
@@ -643,7 +651,7 @@ class SqliteOperations(DatabaseOperations):
             return
         params = [keys.storage_key, ticket_id]
         if self.run(lambda c: fetch_value(c, WITHDRAW, params)) is None:
-            if not self.grants:
+            if not self._grants:
                 return
             # Not queued: the key may have been granted to the ticket (claimed here, or
             # not yet by anyone). The waiter gave up: the lock goes, the key is granted on.
@@ -653,7 +661,7 @@ class SqliteOperations(DatabaseOperations):
             return
         now = self.clock()
         if not self.run(lambda c: self._live(c, keys.storage_key, now)):
-            if self.grants:
+            if self._grants:
                 self._hand_on(key, keys.storage_key)
             else:
                 self._wake_next(key, keys.storage_key, now)
@@ -716,7 +724,7 @@ class SqliteOperations(DatabaseOperations):
         if not request:
             return head, None
         try:
-            ttl_ms, clock, owner, user_key, fence_key = json.loads(request)
+            ttl_ms, clock, owner, user_key, fence_key, window_ms = json.loads(request)
         except (TypeError, ValueError):  # not a request of ours: only wake that waiter
             return head, None
         last, floor = fetch_one(cursor, SELECT_FENCES, [fence_key, FLOOR_KEY])
@@ -727,7 +735,7 @@ class SqliteOperations(DatabaseOperations):
             listener.ticket_id == head for listener in wake_ups.listeners_of(key)
         )
         expires = now + int(ttl_ms)
-        stored = expires if here else unclaimed_expiry(now, int(ttl_ms))
+        stored = expires if here else unclaimed_expiry(now, int(ttl_ms), int(window_ms))
         cursor.execute(
             UPSERT_LOCK, [storage_key, head, stored, now, format_fence(fence), user_key, owner]
         )

@@ -1,9 +1,12 @@
 """The database backend's wake-ups: ``LISTEN``/``NOTIFY`` on PostgreSQL, in-process on
 SQLite.
 
-On PostgreSQL, ``syncguard_release`` and ``syncguard_withdraw`` (migration 0005) send
-``NOTIFY`` on the key's channel with the first live ticket's id as payload; the server
-delivers it when the release commits. :class:`PostgresWakeUps` is the package's
+On PostgreSQL, ``syncguard_release`` and ``syncguard_withdraw`` send ``NOTIFY`` on the
+key's channel, delivered when the release commits: the payload is the first live
+ticket's id when it is only woken (migration 0005), or ``<ticket> <lock id> <fence>
+<expires>`` when the release granted it the key (0008): the waiter enters on it, and
+this process claims the grant from the channel's thread
+(:meth:`PostgresWakeUps.claim`). :class:`PostgresWakeUps` is the package's
 :class:`~django_syncguard.waiting.channels.ChannelWorker` over a
 :class:`PostgresTransport`: ONE dedicated connection per backend and process
 (autocommit, from the same ``DATABASES`` settings as the backend's own connections, or
@@ -42,7 +45,7 @@ from typing import Any
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from ...keys import derived
-from ...waiting import WakeUps
+from ...waiting import Grant, WakeUps
 from ...waiting.channels import ChannelWorker, Deaf, Event, Message
 from .connections import close_quietly
 
@@ -195,7 +198,7 @@ class _Listening:
         try:
             for notify in self.raw.notifies(timeout=0):
                 if notify.payload:
-                    events.append(Message(notify.channel, notify.payload))
+                    events.append(_message(notify.channel, notify.payload))
         except Exception:
             if not events:
                 raise
@@ -211,15 +214,43 @@ class _Listening:
         close_quietly(self.wrapper)
 
 
+def _message(channel: str, payload: str) -> Message:
+    """A notification as a message: ``<ticket id>`` (a wake-up), or a grant,
+    ``<ticket id> <lock id> <fence> <expires>``."""
+    ticket, *grant = payload.split(" ")
+    return Message(channel, ticket, Grant.parse(grant) if grant else None)
+
+
 class PostgresWakeUps(ChannelWorker, DatabaseWakeUps):
     """LISTEN/NOTIFY wake-ups of one database backend in this process; see the module
     docstring. ``reply_timeout_s`` is the longest the thread can be busy with the
-    server (connecting, probing, a reply): how long ``close()`` waits for it."""
+    server (connecting, probing, a reply): how long ``close()`` waits for it.
+    ``claim`` claims a grant on the server (None: the backend does not grant)."""
 
     transport: PostgresTransport
 
-    def __init__(self, transport: PostgresTransport, *, reply_timeout_s: float) -> None:
+    def __init__(
+        self,
+        transport: PostgresTransport,
+        *,
+        reply_timeout_s: float,
+        claim: Callable[[Grant], bool] | None = None,
+    ) -> None:
         super().__init__(transport.name, transport, timeout_s=reply_timeout_s)
+        self._claim = claim
+
+    def _claim_on_server(self, key: str, grant: Grant) -> None:
+        """Claim a grant delivered to a waiter of this process, from this (the
+        channel's) thread, when the channel worker says it is due (``CLAIM_AFTER_S``
+        after it arrived, unless the holder released it first). The statement goes
+        through this thread's own private connection of the backend (connections are
+        per thread: never the waiters', never the LISTEN one, whose session only reads
+        notifications). A claim that fails means the grant lapsed (this process was
+        slower than the grant window) or the hold already ended; a lapsed lock's
+        release then reports it expired. The worker logs errors: they must not stop
+        the thread that delivers every other wake-up."""
+        if self._claim is not None and not self._claim(grant):
+            logger.debug("A granted lock was gone when claimed (lapsed, or released).")
 
     @property
     def backend_pid(self) -> int | None:

@@ -48,7 +48,6 @@ import re
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from functools import partial
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, cast
 
 from django.core import checks
@@ -64,7 +63,7 @@ from ...constants import (
 from ...errors import InvalidArgument, LockError, ServiceUnavailable
 from ...fence_floors import FenceMode, IdleCounter
 from ...fencing import FENCE_MAX, fence_overflow_error, format_fence
-from ...keys import derived, generate_lock_id, make_storage_key
+from ...keys import generate_lock_id, make_storage_key
 from ...orphans import note_maybe_written, note_sent
 from ...owners import QueueStats
 from ...results import AcquireResult, ExtendResult, LockPage, LockRecord, ReleaseResult
@@ -137,6 +136,10 @@ def _glob_escape(text: str) -> str:
 #: Lock hash names a backend object remembers for its own locks on a cluster.
 MAX_HELD_NAMES = 10_000
 
+#: Keys whose names (lock hash, slot, floor) a backend object remembers (see
+#: :meth:`RedisBackend._key_names`); past it, the memory starts again empty.
+MAX_KEY_NAMES = 1024
+
 #: How long WAIT waits for the replicas, when OPTIONS["WAIT_REPLICAS"] asks for some.
 DEFAULT_WAIT_TIMEOUT_MS = 500
 
@@ -207,6 +210,14 @@ class RedisBackend(BaseLockBackend):
         #: On a cluster, the lock hash of each lock this object acquired and has not
         #: released (bounded): its release, extend and lookup by id skip the index read.
         self._held_names = _HeldNames()
+        #: key -> (lock hash, user key argument, slot, floor key): what depends on the
+        #: key alone, computed once per key (bounded: :data:`MAX_KEY_NAMES`).
+        self._names: dict[str, tuple[str, str, int, str]] = {}
+        #: The index key of a lock id on a single server is this + the id.
+        self._index_head = f"{self.prefix}#id:"
+        #: The scripts bound to the synchronous client: the same dict for the life of
+        #: the clients (a cluster's are added when its client is built, on first use).
+        self._sync_scripts: dict[str, Any] = self.clients.scripts()
 
     @property
     def _scripts(self) -> dict[str, Any]:
@@ -228,14 +239,31 @@ class RedisBackend(BaseLockBackend):
 
     def lock_key(self, key: str) -> str:
         """The hash holding ``key``'s lock fields and fence counter."""
-        return derived(key, self.prefix, "redis lock key", partial(_lock_key, self.prefix, key))
+        return (self._names.get(key) or self._key_names(key))[0]
+
+    def _key_names(self, key: str) -> tuple[str, str, int, str]:
+        """``key``'s lock hash, the user key an acquire stores (``""`` unless the hash
+        name had to be hashed), the hash's slot and the floor key its acquire reads
+        (a cluster's slot floor; elsewhere slot 0 and the alias's floor). They depend
+        on the key alone: computed once per key, not once per operation (an
+        uncontended acquire spent more on them than on the rest of its arguments)."""
+        names = self._names.get(key)
+        if names is None:
+            lock_key = _lock_key(self.prefix, key)
+            slot = slots.key_slot(lock_key) if self.cluster else 0
+            floor_key = self.slot_floor_key(slot) if self.cluster else self.floor_key
+            names = (lock_key, self._user_key_arg(key, lock_key), slot, floor_key)
+            if len(self._names) >= MAX_KEY_NAMES:
+                self._names.clear()  # (a race with another thread only recomputes)
+            self._names[str(key)] = names  # a plain str: a Key's memo is not kept alive
+        return names
 
     def index_key(self, lock_id: str) -> str:
         """The string naming the lock hash of ``lock_id``; on a cluster it carries the
         tag of the slot the lock id says (an id past the last slot: the tag of slot
         0, a key no acquire writes for that id)."""
         if not self.cluster:
-            return f"{self.prefix}#id:{lock_id}"
+            return self._index_head + lock_id
         return f"{self.prefix}#id:{slots.slot_tag(slots.lock_id_slot(lock_id) or 0)}{lock_id}"
 
     @property
@@ -265,8 +293,19 @@ class RedisBackend(BaseLockBackend):
 
     # ------------------------------------------------------------- dispatch
     def _call(self, name: str, keys: list[str], args: list[Any]) -> Any:
+        """Script ``name`` on ``keys`` with ``args``: one ``EVALSHA`` with the script's
+        digest, loaded and sent again where the server lacks it (a first call, a
+        restart, ``SCRIPT FLUSH``), as redis-py's ``Script.__call__`` does without its
+        work per call (copying the arguments, an import, an isinstance check through
+        ``typing`` for pipelines)."""
+        script = self._sync_scripts.get(name) or self._scripts[name]
+        client = script.registered_client
         try:
-            return self._scripts[name](keys=keys, args=args)
+            try:
+                return client.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+            except no_script_error():
+                client.script_load(script.script)
+                return client.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
         except redis_error() as exc:
             raise map_redis_error(exc, self.alias) from exc
 
@@ -347,8 +386,13 @@ class RedisBackend(BaseLockBackend):
 
     async def _acall(self, name: str, keys: list[str], args: list[Any]) -> Any:
         scripts = self._async_scripts()
-        try:
-            return await scripts[name](keys=keys, args=args)
+        script, client = scripts[name], scripts["_client"]
+        try:  # as _call does
+            try:
+                return await client.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+            except no_script_error():
+                await client.script_load(script.script)
+                return await client.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
         except redis_error() as exc:
             raise map_redis_error(exc, self.alias) from exc
 
@@ -364,23 +408,23 @@ class RedisBackend(BaseLockBackend):
     def _acquire_args(
         self, key: str, ttl_ms: int, ticket: WaitTicket | None
     ) -> tuple[list[str], list[Any], str]:
-        lock_key = self.lock_key(key)
-        floor_key = self.floor_key
+        lock_key, user_key, slot, floor_key = self._names.get(key) or self._key_names(key)
         if self.cluster:
             # The lock id says the hash's slot; index and floor carry its tag.
-            slot = slots.key_slot(lock_key)
-            lock_id, floor_key = note_sent(slots.new_lock_id(slot)), self.slot_floor_key(slot)
+            lock_id = note_sent(slots.new_lock_id(slot))
+            index = self.index_key(lock_id)
         else:
             lock_id = note_sent(generate_lock_id())
+            index = self._index_head + lock_id
         # Every key the script touches is in KEYS, the floor too (Redis Cluster routes
         # and checks a script by its declared keys).
-        keys = [lock_key, self.index_key(lock_id), floor_key]
+        keys = [lock_key, index, floor_key]
         args = [
             lock_id,
             ttl_ms,
             TIME_TOLERANCE_MS,
             FENCE_MAX,
-            self._user_key_arg(key, lock_key),
+            user_key,
             self.fence_mode,
             self._owner() or "",
         ]
@@ -409,6 +453,7 @@ class RedisBackend(BaseLockBackend):
                 user_key,
                 str(tolerance),
                 str(tickets.GRANT_WINDOW_MS),
+                self._process_channel(),
             ],
             separators=(",", ":"),
         )
@@ -521,6 +566,12 @@ class RedisBackend(BaseLockBackend):
         # Not under WAIT_REPLICAS: see _grant_record.
         return self.wake_ups_enabled and not self.wait_replicas
 
+    def _process_channel(self) -> str:
+        """This process's grant channel ("" on a cluster: grants go on the key's)."""
+        built = self.__dict__.get("_wake_ups_built")
+        channel = getattr(built, "process_channel", None)
+        return channel if isinstance(channel, str) else ""
+
     def granted(self, key: str, grant: Grant) -> None:
         """A release granted ``key`` to a waiter of this process (see :meth:`claim`)."""
         if self.cluster:
@@ -560,7 +611,8 @@ class RedisBackend(BaseLockBackend):
 
     def _release(self, lock_id: str, cancel: CancelToken | None) -> ReleaseResult:
         keys, args = self._id_keys(lock_id), [lock_id, TIME_TOLERANCE_MS]
-        self._held_names.forget(lock_id)
+        if self.cluster:  # (only a cluster's acquires remember names)
+            self._held_names.forget(lock_id)
         if keys is None:
             return ReleaseResult(ok=False, reason="not-found")
         reply, acks = self._write("release", keys, args)
@@ -568,7 +620,8 @@ class RedisBackend(BaseLockBackend):
 
     async def _arelease(self, lock_id: str, cancel: CancelToken | None) -> ReleaseResult:
         keys, args = await self._aid_keys(lock_id), [lock_id, TIME_TOLERANCE_MS]
-        self._held_names.forget(lock_id)
+        if self.cluster:
+            self._held_names.forget(lock_id)
         if keys is None:
             return ReleaseResult(ok=False, reason="not-found")
         reply, acks = await self._awrite("release", keys, args)

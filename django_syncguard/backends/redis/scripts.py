@@ -76,13 +76,16 @@ local function queue_store(h, count, stored)
 end
 -- Hand the free key h to the waiter of ticket ``head``, in this script (a grant):
 -- the lock its record 't:' asked for is written as an acquire would write it, plus
--- 'g' = the claim deadline and 'G' = the ticket, and the grant is published as
--- '<ticket> <lock id> <fence> <expires>'. False (nothing written) when the ticket
--- left no record (a waiter of a version without grants) or the fence would pass the
--- maximum: the caller only wakes it then. The record, written by ACQUIRE:
--- {lock id, index key, floor key, ttl ms, fence mode, max fence, owner, user key,
--- tolerance ms, grant window ms}, numbers as strings.
-local function grant(h, now, head)
+-- 'g' = the claim deadline and 'G' = the ticket. The grant is published on the
+-- waiter's process channel as 'g <ticket> <lock id> <fence> <expires> <hash>' (or,
+-- without one, on the key's as '<ticket> <lock id> <fence> <expires>'), and the next
+-- live waiter's process hears 'n <ticket> <hash>' (it re-checks once the window is
+-- over). False (nothing written) when the ticket left no record (a waiter of a
+-- version without grants) or the fence would pass the maximum: the caller only wakes
+-- it then. The record, written by ACQUIRE: {lock id, index key, floor key, ttl ms,
+-- fence mode, max fence, owner, user key, tolerance ms, grant window ms, process
+-- channel or ""}, numbers as strings. ``live`` is the queue (queue_load).
+local function grant(h, now, head, live)
   local record = redis.call('HGET', h, 't:' .. head)
   if not record then
     return false
@@ -110,13 +113,31 @@ local function grant(h, now, head)
   end
   redis.call('HSET', h, unpack(fields))
   redis.call('SET', r[2], h, 'PX', tonumber(r[4]) + tonumber(r[9]))
-  redis.pcall('PUBLISH', h, string.format('%s %s %d %d', head, r[1], fence, expires))
+  local message = string.format('%s %s %d %d', head, r[1], fence, expires)
+  if (r[11] or '') == '' then
+    redis.pcall('PUBLISH', h, message)
+    return true
+  end
+  redis.pcall('PUBLISH', r[11], 'g ' .. message .. ' ' .. h)
+  local second, first = nil, nil
+  for id, arrival in pairs(live) do
+    if id ~= head and (first == nil or arrival < first) then
+      second, first = id, arrival
+    end
+  end
+  local after = second and redis.call('HGET', h, 't:' .. second)
+  if after then
+    local channel = cjson.decode(after)[11] or ''
+    if channel ~= '' then
+      redis.pcall('PUBLISH', channel, 'n ' .. second .. ' ' .. h)
+    end
+  end
   return true
 end
 -- The key is free: grant it to the first live waiter, or wake that waiter (only it).
 local function wake_next(h, now, stored)
-  local _, count, head = queue_load(h, now)
-  if head and grant(h, now, head) then
+  local live, count, head = queue_load(h, now)
+  if head and grant(h, now, head, live) then
     count = count - 1
   elseif head then
     -- pcall: an ACL that denies this user channels must not fail a release whose
@@ -180,7 +201,7 @@ if waiting > 0 or not free then
   if free and head ~= nil and head ~= ticket then
     -- Free, and another waiter is first: a lease ran out, or a grant lapsed, and this
     -- attempt is the first to notice. The key goes to that waiter now.
-    if grant(KEYS[1], now, head) then
+    if grant(KEYS[1], now, head, live) then
       live[head], count, free = nil, count - 1, false
     else
       redis.pcall('PUBLISH', KEYS[1], head)

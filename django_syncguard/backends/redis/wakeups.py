@@ -44,6 +44,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from ...keys import generate_lock_id
 from ...waiting.channels import ChannelWorker, Confirmed, Event, Message, Refused
 from ...waiting.tickets import Grant
 from . import slots
@@ -70,11 +71,24 @@ class RedisTransport:
 
     def __init__(self, backend: RedisBackend) -> None:
         self._lock_key = backend.lock_key
+        self._prefix = backend.prefix
+        #: This process's own channel, for the grants made to its waiters (see
+        #: ``scripts.grant``): a grant wakes only the process it is for. None on a
+        #: cluster (a script can only publish in its slot: grants go on the key's
+        #: shard channel there).
+        self.process_channel: str | None = None
         self._timeout_s = backend.operation_timeout_ms / 1000
         self._new_pool = backend.clients.pubsub_connection_pool
         self._clients = backend.clients
         self._cluster = backend.cluster
         self._connections = 0
+        self.new_process_channel()
+
+    def new_process_channel(self) -> None:
+        """A channel of this process's own (again in a forked child). ``P#``: no
+        lock hash (a key's channel) is named like it."""
+        if not self._cluster:
+            self.process_channel = f"{self._prefix}#w:{generate_lock_id()}"
 
     @property
     def idle_cap(self) -> int:
@@ -95,10 +109,36 @@ class RedisTransport:
         pool = self._new_pool()
         try:
             # Connects: AUTH, SELECT, within the backend's timeouts.
-            return _Subscriber(pool, pool.get_connection(), self._timeout_s)
+            subscriber = _Subscriber(pool, pool.get_connection(), self._timeout_s)
+            if self.process_channel is not None:
+                # First on the connection: confirmed before any key's channel, so
+                # before any ticket that names it is queued.
+                subscriber.own_channel = self.process_channel
+                subscriber.subscribe([self.process_channel])
+            return subscriber
         except BaseException:
             pool.disconnect()
             raise
+
+
+def _own_message(payload: str) -> Message | None:
+    """A message on the process's channel, for the key whose lock hash ends it (a key
+    may contain spaces): ``g <ticket> <lock id> <fence> <expires> <hash>`` (the key
+    was granted to that ticket) or ``n <ticket> <hash>`` (that ticket is next after a
+    grant: it re-checks once the grant's window is over)."""
+    kind, _, rest = payload.partition(" ")
+    if kind == "g":
+        fields = rest.split(" ", 4)
+        if len(fields) == 5:
+            grant = Grant.parse(fields[1:4])
+            if grant is not None:
+                return Message(fields[4], fields[0], grant)
+    elif kind == "n":
+        ticket, _, channel = rest.partition(" ")
+        if channel:
+            return Message(channel, ticket, recheck=True)
+    logger.debug("Ignored a malformed message on the process channel: %r", payload[:200])
+    return None
 
 
 class SlotMoved(ConnectionError):
@@ -120,6 +160,7 @@ class _Subscriber:
         self.heard = time.monotonic()
         self.ping_deadline: float | None = None
         self.failed: Exception | None = None
+        self.own_channel: str | None = None  # the process's channel (grants), if any
 
     def fileno(self) -> int:
         # redis-py has no public accessor for the socket; the selector needs it.
@@ -169,9 +210,12 @@ class _Subscriber:
         decode = self.connection.encoder.decode
         kind = decode(reply[0], force=True)
         if kind == self.prefix + "message":
-            # '<ticket id>', or a grant: '<ticket id> <lock id> <fence> <expires>'.
-            ticket, *grant = decode(reply[2], force=True).split(" ")
             channel = decode(reply[1], force=True)
+            payload = decode(reply[2], force=True)
+            if channel == self.own_channel:
+                return _own_message(payload)
+            # '<ticket id>', or a grant: '<ticket id> <lock id> <fence> <expires>'.
+            ticket, *grant = payload.split(" ")
             return Message(channel, ticket, Grant.parse(grant) if grant else None)
         if kind not in (self.prefix + "subscribe", self.prefix + "unsubscribe"):
             return None  # ["pong", ""]
@@ -278,26 +322,30 @@ class RedisWakeUps(ChannelWorker):
     module docstring)."""
 
     def __init__(self, backend: RedisBackend) -> None:
+        self._redis_transport = RedisTransport(backend)
         super().__init__(
             f"redis {backend.alias!r}",
-            RedisTransport(backend),
+            self._redis_transport,
             timeout_s=backend.operation_timeout_ms / 1000,
         )
         self._backend = backend
 
+    @property
+    def process_channel(self) -> str | None:
+        """Where grants for this process's waiters are published (None on a cluster)."""
+        return self._redis_transport.process_channel
+
+    def _reset_after_fork(self) -> None:
+        super()._reset_after_fork()
+        self._redis_transport.new_process_channel()  # the parent's is the parent's
+
     def claim(self, key: str, grant: Grant) -> None:
-        """Claim a grant delivered to a waiter of this process, in this thread: the
-        waiter is already running (it does not wait for the claim). A claim that fails
-        means the grant lapsed (this process was too slow for the grant window) or the
-        hold already ended; a lapsed lock's release then reports it expired."""
         self._backend.granted(key, grant)
-        # Let the woken waiter take the GIL first: it enters its body now, and the
-        # claim (needed within the window, not at once) must not delay it.
-        time.sleep(0)
-        try:
-            claimed = self._backend.claim(grant)
-        except Exception as exc:
-            logger.warning("Claiming a granted lock failed: %r; it lapses unless used.", exc)
-            return
-        if not claimed:
+        super().claim(key, grant)
+
+    def _claim_on_server(self, key: str, grant: Grant) -> None:
+        """A claim that finds the lock gone means the grant lapsed (this process was
+        too slow for the grant window) or the hold ended without a release we saw;
+        a lapsed lock's release then reports it expired."""
+        if not self._backend.claim(grant):
             logger.debug("A granted lock was gone when claimed (lapsed, or released).")
