@@ -208,6 +208,8 @@ class SilentChannel:
     def __init__(self, t: FakeTime) -> None:
         self.t = t
         self.healthy = True
+        self.grant = None  # the listener's: no release grants it the key
+        self.recheck_at = None
         self.waits_ms: list[float] = []
 
     def ready(self, key):
