@@ -160,7 +160,12 @@ def test_operator_force_releases_a_lock_held_by_another_process(live_server, chr
 
         success = page.locator("ul.messagelist li.success")
         assert success.inner_text() == f"Lock {shown} force-released."
-        assert page.locator("tr.lock-row").count() == 0
+        # The forced lock is gone. A force-release is a release: the key went to the
+        # first of the two waiters (a grant, with the next fence), which nobody claims
+        # here (those waiters are only tickets), so it is listed until it lapses a
+        # second later: the page may come before or after that.
+        fences = page.locator("tr.lock-row td.fence").all_inner_texts()
+        assert fences in ([], ["000000000000002"])
         page.screenshot(path=str(ARTIFACTS / "inspector-3-released.png"), full_page=True)
 
     # The holder learns it lost the lock when it tries to release it.
