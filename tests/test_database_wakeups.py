@@ -15,7 +15,6 @@ import logging
 import multiprocessing
 import os
 import random
-import signal
 import threading
 import time
 import uuid
@@ -54,6 +53,7 @@ from django_syncguard.waiting.channels import Message
 from tests.support import wakeup_workers
 from tests.support.faults import wait_until
 from tests.support.harness import SqliteHarness
+from tests.support.processes import assert_delayed_by_the_grant_window, sigkill
 from tests.support.proxy import FaultProxy
 
 TTL = 60_000
@@ -583,10 +583,7 @@ def test_a_waiter_killed_first_in_line_delays_the_key_by_its_grant_window(pg, ot
         assert second.wait(WAKE_S)  # queued behind the child
         # Listening: the grant's NOTIFY will reach this process and nudge the thread.
         wait_until(lambda: pg.wake_ups.ready(key), WAKE_S, "the key's channel is listened")
-        child = children.started[0]
-        os.kill(child.pid, signal.SIGKILL)
-        child.join(WAKE_S)
-        assert child.exitcode == -signal.SIGKILL
+        sigkill(children.started[0])
 
         released_at = time.monotonic()
         assert other.release(held.lock_id).ok
@@ -594,12 +591,7 @@ def test_a_waiter_killed_first_in_line_delays_the_key_by_its_grant_window(pg, ot
     finally:
         signals.lock_contended.disconnect(contended)
         children.terminate()
-    ((entered_at, fence),) = entered
-    delay_s = entered_at - released_at
-    print(f"killed first waiter delayed the key {delay_s * 1000:.0f} ms")
-    window_s = GRANT_WINDOW_MS / 1000
-    assert fence == "000000000000003"  # fence 2 went to the dead waiter's grant
-    assert window_s <= delay_s < window_s + 0.5
+    assert_delayed_by_the_grant_window(entered, released_at)
 
 
 @on_postgres
@@ -1269,10 +1261,7 @@ def test_sqlite_a_waiter_killed_first_in_line_delays_the_key_by_its_grant_window
         thread = threading.Thread(target=run, name="second")
         thread.start()
         assert queued.wait(WAKE_S)
-        child = children.started[0]
-        os.kill(child.pid, signal.SIGKILL)
-        child.join(WAKE_S)
-        assert child.exitcode == -signal.SIGKILL
+        sigkill(children.started[0])
 
         released_at = time.monotonic()
         assert backend.release(held.lock_id).ok
@@ -1280,12 +1269,7 @@ def test_sqlite_a_waiter_killed_first_in_line_delays_the_key_by_its_grant_window
     finally:
         signals.lock_contended.disconnect(on_contended)
         backend.close()
-    ((entered_at, fence),) = entered
-    delay_s = entered_at - released_at
-    print(f"killed first waiter delayed the key {delay_s * 1000:.0f} ms")
-    window_s = GRANT_WINDOW_MS / 1000
-    assert fence == "000000000000003"  # fence 2 went to the dead waiter's grant
-    assert window_s <= delay_s < window_s + 0.5
+    assert_delayed_by_the_grant_window(entered, released_at)
 
 
 @on_sqlite

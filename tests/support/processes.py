@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import multiprocessing
+import os
+import signal
 from collections.abc import Callable
 from typing import Any
 
@@ -56,3 +58,27 @@ class Children:
             if process.is_alive():
                 process.terminate()
                 process.join(timeout=10)
+
+
+def sigkill(process: Any, timeout_s: float = 10.0) -> None:
+    """Kill ``process`` (a ``multiprocessing`` child) with SIGKILL and reap it."""
+    os.kill(process.pid, signal.SIGKILL)
+    process.join(timeout_s)
+    assert process.exitcode == -signal.SIGKILL
+
+
+def assert_delayed_by_the_grant_window(
+    entered: list[tuple[float, str]], released_at: float
+) -> None:
+    """The one hold in ``entered`` (when, fence) began about ``GRANT_WINDOW_MS`` after
+    ``released_at``: the release granted the key to a waiter that was dead (it took
+    fence 2), the grant lapsed unclaimed, and the next waiter took the key just after.
+    Not the dead ticket's patience (2 s) nor a TTL."""
+    from django_syncguard.waiting import GRANT_WINDOW_MS
+
+    ((entered_at, fence),) = entered
+    delay_s = entered_at - released_at
+    print(f"killed first waiter delayed the key {delay_s * 1000:.0f} ms")
+    window_s = GRANT_WINDOW_MS / 1000
+    assert fence == "000000000000003"  # fence 2 went to the dead waiter's grant
+    assert window_s <= delay_s < window_s + 0.5
