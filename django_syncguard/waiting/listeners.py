@@ -219,9 +219,10 @@ class WakeUps:
             found = [waiting.get(ticket_id)] if ticket_id else list(waiting.values())
             others = [lst for tid, lst in waiting.items() if tid != ticket_id] if grant else []
         woken = [listener for listener in found if listener is not None]
-        if grant is not None:
+        if others:
+            recheck_at = _recheck_at()
             for other in others:
-                other.nudge(_recheck_at())
+                other.nudge(recheck_at)
         if grant is not None and woken:
             # Before the wake: the waiter may release at once, and a release drops
             # the claim it finds pending (released()).

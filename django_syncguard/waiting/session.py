@@ -129,11 +129,10 @@ class WaitSession:
 
     def pause_plan(self, delay_s: float, remaining_s: float, position: int | None) -> float:
         """How long to wait at most: until the retry schedule's next attempt
-        (``delay_s``), the check-in, or, unhealthy, the poll by place in line."""
+        (``delay_s``), the check-in, or, unhealthy, the poll by place in line. (A
+        re-check after another waiter's grant ends the wait too: the listener's own
+        wait honours ``recheck_at``, which another thread may set during it.)"""
         check_in_s = self._last_request + tickets.CHECK_IN_MS / 1000 - self.clock()
-        recheck = None if self.listener is None else self.listener.recheck_at
-        if recheck is not None:  # set by another thread, on time.monotonic()
-            check_in_s = min(check_in_s, recheck - time.monotonic())
         budget = max(min(delay_s, remaining_s, check_in_s), 0.0)
         if position is not None and not self.healthy:
             # Polling by place: the first in line every HEAD_POLL_MS, the next ones a
