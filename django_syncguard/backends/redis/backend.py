@@ -429,10 +429,10 @@ class RedisBackend(BaseLockBackend):
             self._owner() or "",
         ]
         if ticket is not None:  # without one, the arguments are those of a plain acquire
-            args += [ticket.id, ticket.patience_ms, self._grant_record(args, keys, ticket)]
+            args += [ticket.id, ticket.patience_ms, self._grant_record(args, keys)]
         return keys, args, lock_id
 
-    def _grant_record(self, args: list[Any], keys: list[str], ticket: WaitTicket) -> str:
+    def _grant_record(self, args: list[Any], keys: list[str]) -> str:
         """What a release needs to grant the key to this waiter (``scripts.grant``):
         the lock id, index and floor of this attempt, and its ttl, fence mode, owner
         and user key; "" without grants. Under ``WAIT_REPLICAS`` there are none: a
