@@ -23,6 +23,7 @@ from django_syncguard.backends.redis import RedisBackend
 from django_syncguard.backends.redis import wakeups as redis_wakeups
 from django_syncguard.backends.redis.wakeups import RedisWakeUps
 from django_syncguard.waiting import WaitTicket
+from django_syncguard.waiting.channels import Message
 from tests.support import redis_wakeup_workers as workers
 from tests.support.faults import wait_until
 from tests.support.harness import RedisHarness
@@ -430,21 +431,39 @@ def test_lock_admits_threads_and_a_process_in_the_order_they_queued(rh, queued_t
 
 
 @pytest.mark.slow
-def test_a_waiter_killed_first_in_line_delays_the_key_by_its_grant_window(rh, queued_threads):
+@pytest.mark.parametrize("watching", [True, False], ids=["releaser-checks", "next-told"])
+def test_a_waiter_killed_first_in_line_delays_the_key_by_its_grant_window(
+    rh, queued_threads, watching
+):
     """A process queued first is killed (SIGKILL); the release grants it the key
     anyway (its ticket is still live). Nobody claims the grant: it lapses after
-    GRANT_WINDOW_MS, and the next waiter (a thread here, which saw the grant go by)
-    tries again just after and takes the key. The delay is the window, not the dead
-    ticket's patience (2 s) nor a TTL."""
-    backend, key, children = rh.redis, "x:killed-first", Children()
-    held = backend.acquire(key, TTL)
+    GRANT_WINDOW_MS, and the next waiter (a thread here, of another backend) takes the
+    key just after. Who notices the lapse: the releasing process when its wake-ups are
+    connected (it checks its grant once the window is over, and the next waiter hears
+    nothing at the hand-off); else the next waiter, told at the hand-off by an 'n'
+    message that it is next. The delay is the window, not the dead ticket's patience
+    (2 s) nor a TTL."""
+    config = {"LOCATION": rh.url, "KEY_PREFIX": rh.prefix, "OPTIONS": {"FENCES": "counter"}}
+    holder, waiter = RedisBackend("holder", config), RedisBackend("next", config)
+    key, children = "x:killed-first", Children()
+    if watching:
+        assert holder.wake_ups.want("x:elsewhere", wait=True)  # its wake-ups run
+    held = holder.acquire(key, TTL)
     entered: list[tuple[float, str]] = []
+    heard: list[Message] = []
+    handle = waiter.wake_ups._handle
+
+    def recording(events) -> None:
+        heard.extend(event for event in events if isinstance(event, Message))
+        handle(events)
+
+    waiter.wake_ups._handle = recording
 
     def run() -> None:
         def body() -> None:
             entered.append((time.monotonic(), current_lock().fence))
 
-        lock(body, key=key, using=backend, ttl_ms=TTL, timeout_ms=60_000)
+        lock(body, key=key, using=waiter, ttl_ms=TTL, timeout_ms=60_000)
 
     try:
         queued, results = children.ctx.Event(), children.ctx.Queue()
@@ -456,12 +475,54 @@ def test_a_waiter_killed_first_in_line_delays_the_key_by_its_grant_window(rh, qu
         assert queued_threads["second"].wait(WAKE_S)
         sigkill(children.started[0])
 
+        assert holder._watch_flag() == ("1" if watching else "")
         released_at = time.monotonic()
-        assert backend.release(held.lock_id).ok
+        assert holder.release(held.lock_id).ok
         thread.join(WAKE_S)
     finally:
         children.terminate()
+        holder.close()
+        waiter.close()
     assert_delayed_by_the_grant_window(entered, released_at)
+    # What the next waiter's process heard: with a watching releaser, only the grant
+    # its check made; else only the 'n' message (it then took the key itself).
+    assert [(m.recheck, m.grant is not None) for m in heard] == (
+        [(False, True)] if watching else [(True, False)]
+    )
+
+
+def test_a_grant_the_releaser_watches_is_settled_by_the_key_moving_on(rh, queued_threads):
+    """A process whose release granted a key checks the grant once its window is
+    over, unless it sees the key move on first: once it acquires the key again (so
+    the grant ended), no check is sent at all."""
+    backend, key = rh.redis, "x:settled"
+    assert backend.wake_ups.want("x:elsewhere", wait=True)
+    held = backend.acquire(key, TTL)
+    checks: list[tuple[str, str]] = []
+    check = backend.check_grant
+    backend.check_grant = lambda *args: (checks.append(args), check(*args))[1]
+    leave = threading.Event()
+    queued_threads["waiter"] = threading.Event()
+
+    def body() -> None:
+        assert leave.wait(WAKE_S)
+
+    thread = threading.Thread(
+        target=lock, kwargs={"fn": body, "key": key, "using": backend, "timeout_ms": 60_000},
+        name="waiter",
+    )
+    thread.start()
+    assert queued_threads["waiter"].wait(WAKE_S)
+    assert backend.release(held.lock_id).ok
+    lock_key = backend.lock_key(key)
+    assert lock_key in backend.wake_ups._watches  # the grant to the thread is watched
+    leave.set()
+    thread.join(WAKE_S)
+    again = backend.acquire(key, TTL)
+    assert again.ok and again.fence == "000000000000003"
+    assert lock_key not in backend.wake_ups._watches  # settled: the key moved on
+    assert backend.release(again.lock_id).ok
+    assert checks == []
 
 
 def test_a_grant_is_claimed_by_its_process_and_then_cannot_lapse(rh, queued_threads):

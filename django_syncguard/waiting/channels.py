@@ -69,6 +69,11 @@ REFUSED_RETRY_S = 60.0
 #: claim never competes with the waiter it woke. A quarter of the grant window leaves
 #: three quarters for the claim to reach the server.
 CLAIM_AFTER_S = tickets.GRANT_WINDOW_MS / 4000
+#: A grant this process made (its release handed a key to a waiter) is checked this
+#: long after it was made, unless this process saw the key move on meanwhile: if the
+#: waiter never claimed it, the check grants the key on. The next waiter then needs
+#: no message of its own at the hand-off (decision 48).
+WATCH_AFTER_S = (tickets.GRANT_WINDOW_MS + tickets.RECHECK_MARGIN_MS) / 1000
 #: The thread looks at its idle channels and the connection's health this often at least.
 MAX_SELECT_S = 60.0
 
@@ -212,6 +217,11 @@ class ChannelWorker(WakeUps):
         # arrival order, so by due time (see claim()).
         self._claims: dict[str, tuple[float, str, Grant]] = {}
         self._claims_lock = threading.Lock()
+        # Grants this process made, by channel (one per key: a later grant of the key
+        # implies the earlier one ended): channel -> (due, ticket), by due time.
+        self._watches: dict[str, tuple[float, str]] = {}
+        # When the thread looks at its timers next, at the latest (see watch()).
+        self._timers_at = float("inf")
 
     # ------------------------------------------------------------------ state
     @property
@@ -279,9 +289,36 @@ class ChannelWorker(WakeUps):
         with self._claims_lock:
             self._claims.pop(lock_id, None)
 
+    def watch(self, channel: str, ticket_id: str, after_s: float = WATCH_AFTER_S) -> None:
+        """This process's release (withdrawal, attempt) just granted the key of
+        ``channel`` to ``ticket_id``: check in ``after_s`` whether the waiter claimed
+        it, unless this process sees the key move on first (:meth:`settled`). Only
+        called while this thread runs (the backend asks :attr:`watching`)."""
+        due = time.monotonic() + after_s
+        with self._claims_lock:
+            self._watches.pop(channel, None)  # re-inserted last: the dict stays by due time
+            self._watches[channel] = (due, ticket_id)
+            sooner = due < self._timers_at
+        if sooner:  # rare on a hot key: an earlier watch already bounds the thread's sleep
+            self.poke()
+
+    @property
+    def watching(self) -> bool:
+        """Whether a grant made now would be checked by :meth:`watch` (the thread runs
+        and is connected; otherwise the release tells the next waiter instead)."""
+        return self._state is State.CONNECTED
+
+    def settled(self, channel: str) -> None:
+        """This process acquired (or was granted) the key of ``channel``: any grant it
+        made of that key earlier has ended (the key could not be had otherwise)."""
+        if channel in self._watches:
+            with self._claims_lock:
+                self._watches.pop(channel, None)
+
     def _claim_due(self) -> float:
-        """Claim the grants whose time has come; seconds until the next one."""
-        now, due = time.monotonic(), []
+        """Claim the grants whose time has come, and check the grants this process
+        made whose window is over; seconds until the next of either."""
+        now, due, checks = time.monotonic(), [], []
         with self._claims_lock:
             while self._claims:
                 lock_id, (at, key, grant) = next(iter(self._claims.items()))
@@ -289,7 +326,17 @@ class ChannelWorker(WakeUps):
                     break
                 del self._claims[lock_id]
                 due.append((key, grant))
-            next_s = next(iter(self._claims.values()))[0] - now if self._claims else MAX_SELECT_S
+            while self._watches:
+                channel, (at, ticket_id) = next(iter(self._watches.items()))
+                if at > now:
+                    break
+                del self._watches[channel]
+                checks.append((channel, ticket_id))
+            next_s = min(
+                next(iter(self._claims.values()))[0] - now if self._claims else MAX_SELECT_S,
+                next(iter(self._watches.values()))[0] - now if self._watches else MAX_SELECT_S,
+            )
+            self._timers_at = now + next_s
         for key, grant in due:
             try:
                 self._claim_on_server(key, grant)
@@ -297,10 +344,22 @@ class ChannelWorker(WakeUps):
                 self.transport.logger.warning(
                     "Claiming a lock granted to a waiter of %s failed: %r.", self.name, exc
                 )
+        for channel, ticket_id in checks:
+            try:
+                self._check_grant_on_server(channel, ticket_id)
+            except Exception as exc:  # the waiters' check-ins notice the lapse instead
+                self.transport.logger.warning(
+                    "Checking a grant made by %s failed: %r.", self.name, exc
+                )
         return next_s
 
     def _claim_on_server(self, key: str, grant: Grant) -> None:
         """Send the claim of ``grant`` (backends that grant)."""
+
+    def _check_grant_on_server(self, channel: str, ticket_id: str) -> None:
+        """Grant the key of ``channel`` on if its grant to ``ticket_id`` lapsed
+        unclaimed (backends that watch their grants; they call :meth:`watch` again
+        for a grant the check makes, or for one not over yet)."""
 
     def _pause(self, seconds: float) -> None:
         """Wait between connections (or until closed), claiming what comes due."""
@@ -481,7 +540,7 @@ class ChannelWorker(WakeUps):
         later starts another)."""
         with self._cond:
             self._expire_idle(time.monotonic())  # also while no connection can be made
-            if self._channels or self._state is State.CLOSED:
+            if self._channels or self._watches or self._state is State.CLOSED:
                 return True
             self._end_thread()
             return False
@@ -555,7 +614,7 @@ class ChannelWorker(WakeUps):
                 # new connection.
                 self._unused_since = self._unused_since or now
                 next_expiry = self._unused_since + IDLE_CHANNEL_S - now
-                if next_expiry <= 0 or self._state is State.CLOSED:
+                if (next_expiry <= 0 and not self._watches) or self._state is State.CLOSED:
                     self._end_thread()
                     return None
             expired, self._expired = self._expired, set()
@@ -582,6 +641,8 @@ class ChannelWorker(WakeUps):
                     key = self._channels.get(event.channel)
                 if key is None:
                     continue
+                if event.grant is not None or event.recheck:
+                    self.settled(event.channel)  # the key was granted again since
                 if event.recheck:
                     self.recheck(key, event.ticket_id)
                 else:

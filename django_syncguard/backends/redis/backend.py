@@ -44,6 +44,7 @@ key's own hash, so no user key can land on another key's counter either. See
 from __future__ import annotations
 
 import json
+import logging
 import re
 import threading
 from collections import OrderedDict
@@ -83,6 +84,10 @@ from .scripts import CLUSTER_SCRIPTS, SCRIPTS
 
 if TYPE_CHECKING:
     import redis
+
+    from .wakeups import RedisWakeUps
+
+logger = logging.getLogger("django_syncguard.backends.redis")
 
 # System-check messages of this backend (see checks.py for the table of ids).
 W010 = (
@@ -429,7 +434,8 @@ class RedisBackend(BaseLockBackend):
             self._owner() or "",
         ]
         if ticket is not None:  # without one, the arguments are those of a plain acquire
-            args += [ticket.id, ticket.patience_ms, self._grant_record(args, keys)]
+            record = self._grant_record(args, keys)
+            args += [ticket.id, ticket.patience_ms, record, self._watch_flag()]
         return keys, args, lock_id
 
     def _grant_record(self, args: list[Any], keys: list[str]) -> str:
@@ -463,7 +469,10 @@ class RedisBackend(BaseLockBackend):
         if status == 2:
             raise fence_overflow_error(key)
         if status == 0:
+            if len(reply) > 2:  # this attempt granted the key to the first waiter
+                self._watch(keys[0], reply[2])
             return AcquireResult.locked(int(reply[1]) if len(reply) > 1 else None)
+        self._settled(keys[0])
         if len(reply) > 3:  # the key had been granted to this waiter: the grant's lock
             lock_id = reply[3].decode() if isinstance(reply[3], bytes) else str(reply[3])
         if self.cluster:
@@ -572,6 +581,49 @@ class RedisBackend(BaseLockBackend):
         channel = getattr(built, "process_channel", None)
         return channel if isinstance(channel, str) else ""
 
+    def _watcher(self) -> RedisWakeUps | None:
+        """The wake-ups that check this process's grants once their window is over
+        (see ``ChannelWorker.watch``); None when they cannot now (not connected, a
+        cluster: its waiters hear every grant of their key) or grants are off."""
+        built = self.__dict__.get("_wake_ups_built")
+        if built is None or self.cluster or not self.grants or not built.watching:
+            return None
+        return cast("RedisWakeUps", built)
+
+    def _watch_flag(self) -> str:
+        """The scripts' argument: "1" when a grant they make is checked by this
+        process (they then spare the next waiter its message), else ""."""
+        return "1" if self._watcher() is not None else ""
+
+    def _watch(self, lock_key: Any, ticket: Any) -> None:
+        """A script of this process granted ``lock_key`` to ``ticket``: check it."""
+        built = self.__dict__.get("_wake_ups_built")
+        if built is not None:
+            name = lock_key.decode() if isinstance(lock_key, bytes) else str(lock_key)
+            built.watch(name, ticket.decode() if isinstance(ticket, bytes) else str(ticket))
+
+    def _settled(self, lock_key: str) -> None:
+        """This process holds ``lock_key`` now: its earlier grants of it have ended."""
+        built = self.__dict__.get("_wake_ups_built")
+        if built is not None:
+            built.settled(lock_key)
+
+    def check_grant(self, lock_key: str, ticket: str) -> None:
+        """Grant ``lock_key`` on if this process's grant of it to ``ticket`` lapsed
+        unclaimed (the wake-ups' thread calls it once the grant's window is over)."""
+        flag = self._watch_flag()
+        reply = self._call("check_grant", [lock_key], [ticket, flag])
+        status = int(reply[0])
+        if status == 2:  # the server's clock says the window is not over yet
+            built = self.__dict__.get("_wake_ups_built")
+            if built is not None:
+                margin = tickets.RECHECK_MARGIN_MS
+                built.watch(lock_key, ticket, (int(reply[1]) + margin) / 1000)
+        elif status == 1:
+            logger.info("A lock granted to a waiter lapsed unclaimed; %s goes on.", lock_key)
+            if len(reply) > 1:
+                self._watch(lock_key, reply[1])
+
     def granted(self, key: str, grant: Grant) -> None:
         """A release granted ``key`` to a waiter of this process (see :meth:`claim`)."""
         if self.cluster:
@@ -592,10 +644,18 @@ class RedisBackend(BaseLockBackend):
         return RedisWakeUps(self)
 
     def _withdraw(self, key: str, ticket_id: str) -> None:
-        self._call("withdraw", [self.lock_key(key)], [ticket_id, TIME_TOLERANCE_MS])
+        lock_key, flag = self.lock_key(key), self._watch_flag()
+        reply = self._call("withdraw", [lock_key], [ticket_id, TIME_TOLERANCE_MS, flag])
+        self._withdrawn(lock_key, reply)
 
     async def _awithdraw(self, key: str, ticket_id: str) -> None:
-        await self._acall("withdraw", [self.lock_key(key)], [ticket_id, TIME_TOLERANCE_MS])
+        lock_key, flag = self.lock_key(key), self._watch_flag()
+        reply = await self._acall("withdraw", [lock_key], [ticket_id, TIME_TOLERANCE_MS, flag])
+        self._withdrawn(lock_key, reply)
+
+    def _withdrawn(self, lock_key: str, reply: Any) -> None:
+        if isinstance(reply, bytes):  # the withdrawal granted the key to that ticket
+            self._watch(lock_key, reply)
 
     @staticmethod
     def _released(reply: list[Any]) -> ReleaseResult:
@@ -609,22 +669,28 @@ class RedisBackend(BaseLockBackend):
     _RELEASE_UNSURE = "released here; a failover now could bring the lock back until its TTL."
     _EXTEND_UNSURE = "extended here; a failover now could bring back the earlier expiry."
 
+    def _granted_on(self, reply: list[Any]) -> None:
+        if len(reply) > 2:  # {1, ticket, lock hash}: the release granted the key on
+            self._watch(reply[2], reply[1])
+
     def _release(self, lock_id: str, cancel: CancelToken | None) -> ReleaseResult:
-        keys, args = self._id_keys(lock_id), [lock_id, TIME_TOLERANCE_MS]
+        keys, args = self._id_keys(lock_id), [lock_id, TIME_TOLERANCE_MS, self._watch_flag()]
         if self.cluster:  # (only a cluster's acquires remember names)
             self._held_names.forget(lock_id)
         if keys is None:
             return ReleaseResult(ok=False, reason="not-found")
         reply, acks = self._write("release", keys, args)
+        self._granted_on(reply)
         return self._acked(self._released(reply), acks, self._RELEASE_UNSURE)
 
     async def _arelease(self, lock_id: str, cancel: CancelToken | None) -> ReleaseResult:
-        keys, args = await self._aid_keys(lock_id), [lock_id, TIME_TOLERANCE_MS]
+        keys, args = await self._aid_keys(lock_id), [lock_id, TIME_TOLERANCE_MS, self._watch_flag()]
         if self.cluster:
             self._held_names.forget(lock_id)
         if keys is None:
             return ReleaseResult(ok=False, reason="not-found")
         reply, acks = await self._awrite("release", keys, args)
+        self._granted_on(reply)
         return self._acked(self._released(reply), acks, self._RELEASE_UNSURE)
 
     def _acked(self, result: R, acks: int, what: str) -> R:

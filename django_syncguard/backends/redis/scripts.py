@@ -78,14 +78,15 @@ end
 -- the lock its record 't:' asked for is written as an acquire would write it, plus
 -- 'g' = the claim deadline and 'G' = the ticket. The grant is published on the
 -- waiter's process channel as 'g <ticket> <lock id> <fence> <expires> <hash>' (or,
--- without one, on the key's as '<ticket> <lock id> <fence> <expires>'), and the next
--- live waiter's process hears 'n <ticket> <hash>' (it re-checks once the window is
--- over). False (nothing written) when the ticket left no record (a waiter of a
--- version without grants) or the fence would pass the maximum: the caller only wakes
--- it then. The record, written by ACQUIRE: {lock id, index key, floor key, ttl ms,
--- fence mode, max fence, owner, user key, tolerance ms, grant window ms, process
--- channel or ""}, numbers as strings. ``live`` is the queue (queue_load).
-local function grant(h, now, head, live)
+-- without one, on the key's as '<ticket> <lock id> <fence> <expires>'). Unless
+-- ``watched`` (the caller's process checks the grant once its window is over, see
+-- CHECK_GRANT), the next live waiter's process hears 'n <ticket> <hash>' (it
+-- re-checks then itself). False (nothing written) when the ticket left no record (a
+-- waiter of a version without grants) or the fence would pass the maximum: the caller
+-- only wakes it then. The record, written by ACQUIRE: {lock id, index key, floor key,
+-- ttl ms, fence mode, max fence, owner, user key, tolerance ms, grant window ms,
+-- process channel or ""}, numbers as strings. ``live`` is the queue (queue_load).
+local function grant(h, now, head, live, watched)
   local record = redis.call('HGET', h, 't:' .. head)
   if not record then
     return false
@@ -119,6 +120,9 @@ local function grant(h, now, head, live)
     return true
   end
   redis.pcall('PUBLISH', r[11], 'g ' .. message .. ' ' .. h)
+  if watched then
+    return true
+  end
   local second, first = nil, nil
   for id, arrival in pairs(live) do
     if id ~= head and (first == nil or arrival < first) then
@@ -134,17 +138,20 @@ local function grant(h, now, head, live)
   end
   return true
 end
--- The key is free: grant it to the first live waiter, or wake that waiter (only it).
-local function wake_next(h, now, stored)
+-- The key is free: grant it to the first live waiter (returns its ticket), or wake
+-- that waiter (only it).
+local function wake_next(h, now, stored, watched)
   local live, count, head = queue_load(h, now)
-  if head and grant(h, now, head, live) then
-    count = count - 1
+  local granted = nil
+  if head and grant(h, now, head, live, watched) then
+    count, granted = count - 1, head
   elseif head then
     -- pcall: an ACL that denies this user channels must not fail a release whose
     -- writes are done (its waiters cannot subscribe either: they poll).
     redis.pcall('PUBLISH', h, head)
   end
   queue_store(h, count, stored)
+  return granted
 end
 """
 
@@ -161,8 +168,10 @@ end
 #: ARGV: [1] lock id, [2] ttl ms, [3] tolerance ms, [4] max fence, [5] user key (""
 #: when not hashed), [6] fence mode ("clock" or "counter"), [7] owner label ("" when
 #: not recorded), and for a caller with a wait ticket: [8] ticket id, [9] patience ms,
-#: [10] the ticket's grant record ("" when it takes no grant; see ``grant``).
-#: Returns {0} contention ({0, position} for a queued ticket), {2} fence overflow
+#: [10] the ticket's grant record ("" when it takes no grant; see ``grant``), [11] "1"
+#: when the caller's process checks a grant this attempt makes (see CHECK_GRANT).
+#: Returns {0} contention ({0, position} for a queued ticket, {0, position, ticket}
+#: when this attempt granted the key to that ticket and [11] is "1"), {2} fence overflow
 #: (nothing written), {1, fence, expires} taken, {1, fence, expires, lock id} when the
 #: key had been granted to this ticket (claimed: the lock id is the grant's).
 ACQUIRE = (
@@ -198,10 +207,14 @@ if waiting > 0 or not free then
     + _QUEUE
     + """
   local live, count, head = queue_load(KEYS[1], now)
+  local granted = nil
   if free and head ~= nil and head ~= ticket then
     -- Free, and another waiter is first: a lease ran out, or a grant lapsed, and this
     -- attempt is the first to notice. The key goes to that waiter now.
-    if grant(KEYS[1], now, head, live) then
+    if grant(KEYS[1], now, head, live, ARGV[11] == '1') then
+      if ARGV[11] == '1' then
+        granted = head
+      end
       live[head], count, free = nil, count - 1, false
     else
       redis.pcall('PUBLISH', KEYS[1], head)
@@ -234,7 +247,7 @@ if waiting > 0 or not free then
         ahead = ahead + 1
       end
     end
-    return {0, ahead}
+    return {0, ahead, granted}
   end
 end
 local expires = now + tonumber(ARGV[2])
@@ -286,10 +299,12 @@ end
 """
 )
 
-#: KEYS: as _RESOLVE. ARGV: [1] lock id, [2] tolerance ms.
+#: KEYS: as _RESOLVE. ARGV: [1] lock id, [2] tolerance ms, [3] "1" when the caller's
+#: process checks a grant this release makes (see CHECK_GRANT).
 #: Returns {1} released, {2} expired, {0} not found. The fence 'f' and the last
 #: acquisition time 'a' stay (compaction reads 'a'). When waiters queue ('q' > 0),
-#: the key is granted to the first live one (or it is woken by PUBLISH).
+#: the key is granted to the first live one (or it is woken by PUBLISH); with [3],
+#: {1, ticket, lock hash} says to which ticket.
 RELEASE = (
     _RESOLVE
     + """
@@ -300,28 +315,38 @@ if waiting > 0 then
 """
     + _QUEUE
     + """
-  wake_next(lock, now, waiting)
+  local granted = wake_next(lock, now, waiting, ARGV[3] == '1')
+  if granted and ARGV[3] == '1' then
+    return {1, granted, lock}
+  end
 end
 return {1}
 """
 )
 
-#: KEYS: [1] lock hash. ARGV: [1] ticket id, [2] tolerance ms.
+#: KEYS: [1] lock hash. ARGV: [1] ticket id, [2] tolerance ms, [3] as RELEASE's.
 #: Removes the ticket; when the key is free, grants it to (or wakes) the (new) first
 #: live waiter. A lock granted to the ticket (the waiter gave up before it used the
 #: grant) is released, and the key goes on to the next waiter. Returns 1 when the
-#: ticket was queued or held a grant, else 0.
+#: ticket was queued or held a grant, else 0; with [3], the ticket granted instead of 1.
 WITHDRAW = (
     _NOW
     + _LAPSED
     + _QUEUE
     + """
+-- The reply after a grant: its ticket when the caller watches it, else 1.
+local function watched_grant(granted)
+  if granted and ARGV[3] == '1' then
+    return granted
+  end
+  return 1
+end
 local cur = redis.call('HMGET', KEYS[1], 'i', 'e', 'q', 'g', 'G')
 local waiting = tonumber(cur[3]) or 0
 if cur[1] and cur[5] == ARGV[1] then
   redis.call('HDEL', KEYS[1], 'i', 'e', 'k', 'o', 'g', 'G')
   if waiting > 0 then
-    wake_next(KEYS[1], now, waiting)
+    return watched_grant(wake_next(KEYS[1], now, waiting, ARGV[3] == '1'))
   end
   return 1
 end
@@ -331,10 +356,41 @@ end
 redis.call('HDEL', KEYS[1], 's:' .. ARGV[1], 't:' .. ARGV[1])
 if cur[1] and tonumber(cur[2]) > now - tonumber(ARGV[2]) and not lapsed(cur[4], now) then
   queue_store(KEYS[1], waiting - 1, waiting)
-else
-  wake_next(KEYS[1], now, waiting)
+  return 1
 end
-return 1
+return watched_grant(wake_next(KEYS[1], now, waiting, ARGV[3] == '1'))
+"""
+)
+
+#: KEYS: [1] lock hash. ARGV: [1] ticket id, [2] "1" when the caller's process checks
+#: a grant this check makes in turn.
+#: Run by the process whose release (withdrawal, attempt) granted the key to the
+#: ticket, once the grant's window is over: if the grant lapsed unclaimed, the key is
+#: freed and granted on to the next live waiter (as the attempt of a waiter that
+#: noticed the lapse would). Returns {0} (the grant was claimed, or the key moved on),
+#: {2, ms} (its window ends in ms: check again then), {1} (freed; nobody to grant
+#: to) or {1, ticket} (granted on to that ticket, under [2]).
+CHECK_GRANT = (
+    _NOW
+    + _QUEUE
+    + """
+local cur = redis.call('HMGET', KEYS[1], 'i', 'q', 'g', 'G')
+if not cur[1] or not cur[3] or cur[4] ~= ARGV[1] then
+  return {0}
+end
+local left = tonumber(cur[3]) - now
+if left > 0 then
+  return {2, left}
+end
+redis.call('HDEL', KEYS[1], 'i', 'e', 'k', 'o', 'g', 'G')
+local waiting = tonumber(cur[2]) or 0
+if waiting > 0 then
+  local granted = wake_next(KEYS[1], now, waiting, ARGV[2] == '1')
+  if granted and ARGV[2] == '1' then
+    return {1, granted}
+  end
+end
+return {1}
 """
 )
 
@@ -615,6 +671,7 @@ SCRIPTS = {
     "withdraw": WITHDRAW,
     "extend": EXTEND,
     "claim": CLAIM,
+    "check_grant": CHECK_GRANT,
     "is_locked": IS_LOCKED,
     "lookup_by_key": LOOKUP_BY_KEY,
     "lookup_by_id": LOOKUP_BY_ID,

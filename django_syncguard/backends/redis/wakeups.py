@@ -343,6 +343,9 @@ class RedisWakeUps(ChannelWorker):
         self._backend.granted(key, grant)
         super().claim(key, grant)
 
+    def _check_grant_on_server(self, channel: str, ticket_id: str) -> None:
+        self._backend.check_grant(channel, ticket_id)  # the channel is the lock hash
+
     def _claim_on_server(self, key: str, grant: Grant) -> None:
         """A claim that finds the lock gone means the grant lapsed (this process was
         too slow for the grant window) or the hold ended without a release we saw;
