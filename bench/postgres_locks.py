@@ -108,15 +108,19 @@ def syncguard(port: int) -> MethodFactory:
 
 def syncguard_durable_release(port: int) -> MethodFactory:
     """Our backend with a release that waits for its WAL flush (as before issue 24):
-    the same connection, function and arguments, without the release's local
-    ``synchronous_commit = off``."""
+    the same connection, function and arguments, with the release's local
+    ``synchronous_commit = off`` undone in the same statement."""
     setup_django(port)
     from django_syncguard.backends.database import DatabaseBackend
     from django_syncguard.backends.database.operations import fetch_value
     from django_syncguard.constants import TIME_TOLERANCE_MS
 
     backend = DatabaseBackend("bench-durable", {"OPTIONS": {"DATABASE": "default"}})
-    durable = "SELECT syncguard_release(%s, %s, true)"  # (0008: the granting release)
+    # (0009: the function sets 'off' itself, first; the 'on' after the call undoes it)
+    durable = (
+        "SELECT syncguard_release(%s, %s, true, false), "
+        "set_config('synchronous_commit', 'on', true)"
+    )
 
     def factory(client: int):
         def acquire(key: str):

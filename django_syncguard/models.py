@@ -117,6 +117,9 @@ class Waiter(models.Model):
     max_fence = models.BigIntegerField(null=True)
     #: How long the grant waits for the waiter's process to claim it, in ms.
     grant_window_ms = models.BigIntegerField(null=True)
+    #: The channel the waiter's process LISTENs on for its grants (PostgreSQL, 0009);
+    #: NULL: none (code before 0009), its grants go on the key's channel.
+    process_channel = models.TextField(null=True)  # noqa: DJ001
 
     class Meta:
         db_table = "syncguard_waiters"

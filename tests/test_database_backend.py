@@ -110,11 +110,11 @@ def test_a_release_alone_commits_without_waiting_for_the_wal_flush(pg):
     conn = backend.connection()
     with CaptureQueriesContext(conn) as queries:
         assert backend.release(held.lock_id).ok is True
-    # The setting first: a release that grants sets it back on inside the function
+    # One call of the four-argument function (0009), which sets the 'off' itself,
+    # first; a release that grants sets it back on inside the function
     # (tests/test_database_wakeups.py, durability of a granting release).
-    assert queries[0]["sql"].startswith(
-        "SELECT set_config('synchronous_commit', 'off', true), syncguard_release("
-    )
+    assert len(queries) == 1
+    assert queries[0]["sql"].startswith("SELECT * FROM syncguard_release(")
     # Local to the release's transaction: the same connection's next statements
     # (acquires, extends) commit durably.
     assert backend.connections.run(setting) == "on"
@@ -898,8 +898,9 @@ def test_compaction_waits_for_an_acquire_under_way_and_keeps_its_counter(pg):
     keys = DatabaseBackend.storage_keys("busy")
     lock_id = generate_lock_id()
     params = [keys.storage_key, keys.fence_key, lock_id, TTL, None, FENCE_MAX]
-    # (0007: the owner label; 0008: the grant window, none without a ticket)
-    params += [TIME_TOLERANCE_MS, None, None, False, None, None]
+    # (0007: the owner label; 0008: the grant window, none without a ticket; 0009: the
+    # process channel, none either, and whether a grant it makes is watched)
+    params += [TIME_TOLERANCE_MS, None, None, False, None, None, None, False]
     with ThreadPoolExecutor(1) as pool:
         with transaction.atomic(using="postgres"), connections["postgres"].cursor() as cursor:
             cursor.execute("SELECT pg_backend_pid()")
@@ -1105,3 +1106,42 @@ def test_a_withdrawal_gives_a_grant_back_and_grants_the_next_waiter(pg):
     assert backend.lookup_raw(key="handed").lock_id == got.lock_id
     assert backend.release(got.lock_id).ok
     assert take(backend, "handed") == 4
+
+
+@on_postgres
+def test_a_grant_check_waits_for_the_window_then_grants_a_lapsed_grant_on(pg):
+    """``syncguard_check_grant`` (0009), which the releasing process runs once its
+    grant's window is over: not over yet by the server's clock, it says how long is
+    left; a grant claimed, or a key that moved on, needs nothing; a grant that lapsed
+    unclaimed is handed on to the next live waiter, whose ticket is reported when the
+    caller watches that grant in turn."""
+    backend = pg.backend
+    held = backend.acquire("checked", TTL)
+    first, second, third = (WaitTicket(generate_lock_id(), 60_000) for _ in range(3))
+    for position, ticket in enumerate((first, second, third)):
+        assert backend.acquire("checked", TTL, ticket=ticket).queue_position == position
+    # Closed wake-ups watch nothing: no check of this process's runs behind the test's.
+    backend.wake_ups.close()
+    assert backend._grant_hook() is None
+    assert backend.release(held.lock_id).ok  # granted to first (fence 2)
+    storage_key = backend.storage_key("checked")
+
+    status, left_ms, handed = backend.check_grant(storage_key, first.id, True)
+    assert (status, handed) == (2, None)
+    assert 0 < left_ms <= GRANT_WINDOW_MS
+    assert backend.check_grant(storage_key, second.id, True) == (0, None, None)
+
+    pg.advance(GRANT_WINDOW_MS)  # first's window is over, unclaimed
+    assert backend.check_grant(storage_key, first.id, True) == (1, None, second.id)
+    info = backend.lookup_raw(key="checked")
+    assert info is not None and info.fence == "000000000000003"
+    assert backend.check_grant(storage_key, first.id, True) == (0, None, None)  # moved on
+
+    pg.advance(GRANT_WINDOW_MS)  # second's lapses too; unwatched, no ticket reported
+    assert backend.check_grant(storage_key, second.id, False) == (1, None, None)
+    got = backend.acquire("checked", TTL, ticket=third)  # crosses its grant: claimed
+    assert (got.ok, got.fence) == (True, "000000000000004")
+    pg.advance(GRANT_WINDOW_MS)
+    assert backend.check_grant(storage_key, third.id, True) == (0, None, None)  # claimed
+    assert backend.release(got.lock_id).ok
+    assert take(backend, "checked") == 5

@@ -58,6 +58,15 @@ RELEASED = {
     "0008/release.sql": "b3f1b868ef6fc79d3e10def2bc75df3a2e6ed84d52e32087f589934aaac7190b",
     "0008/release_legacy.sql": "2e9cfc7b61c6d4dd35039b9e25f49c60dded5174c8c1a32d9eec9ef67f796436",
     "0008/withdraw.sql": "04d5ee2e4e210c10b4d4cb03deddaff1228bca77c87352b8d0c8981eccb7ec60",
+    "0009/acquire.sql": "2ff6624ea3b4d9f5cbc75afc76a93cac09ddc9a28c37145dd9a7516e1fdf43eb",
+    "0009/acquire_legacy.sql": "f8d1b18c0748dd862ab9ec49850596e7faab4259cb45e182a269736d5a3d11e8",
+    "0009/check_grant.sql": "39afd7137c738cc8d7c4377038c5ae9296cfa7354bcd1b9cae9474576bcdb48e",
+    "0009/drop.sql": "ef8d417792e49fd8c850f2497e5d4cbd62ff45ea3b3693ca03809a96ed902edf",
+    "0009/hand_over.sql": "c5d408dfe0f9b4ad2e31fa1b55cf05e71d215a3aac7bec7e55518ee07fafcf44",
+    "0009/release.sql": "918f6d57994c78492d37a861a36cbda7001e16b31ad18589b72aef0bac6dfd49",
+    "0009/release_legacy.sql": "5e88aae336b2ed93c233280b73371e0c076da0bf9fd956f9890790c54c66e92f",
+    "0009/withdraw.sql": "5f2fd7115282fbf2a3701da1bdf84626b3c9afa45f54ed9f22565353849d4a2f",
+    "0009/withdraw_legacy.sql": "b35956236e45664fffbd0d5b19b1578dd1dd7b0f0d810b273d6365ca4f7af506",
 }
 
 #: The SHA-256 of what each migration runs, forward and reverse, placeholders expanded:
@@ -92,6 +101,12 @@ MIGRATIONS = {
     ),
     ("0008_grants", "REVERSE"): (
         "51a2caa5b3748221654fac9c2e87a8cf65a67ef8350ef1dde6225cebb52540ca"
+    ),
+    ("0009_process_channels", "FORWARD"): (
+        "7e8ab015e4b03c015a119b55fd32ea429d300bf917b058779244425d010d535f"
+    ),
+    ("0009_process_channels", "REVERSE"): (
+        "c3328cd04512129cb0c8471c9fd8a048d7b36e8bba8f992d88f2fd73776b1eda"
     ),
 }
 

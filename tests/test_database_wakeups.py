@@ -367,13 +367,18 @@ async def test_an_async_waiter_is_woken_by_a_release(pg, other):
         listener.close()
 
 
-def _forked_waiter(wake_ups: Any, key: str, ticket_id: str, reports: Any) -> None:
-    """In a forked child: subscribe on the inherited wake-ups, report, wait for a wake."""
+def _forked_waiter(backend: DatabaseBackend, key: str, ticket: WaitTicket, reports: Any) -> None:
+    """In a forked child: subscribe on the inherited wake-ups, report, wait for a wake.
+    The parent queued the ticket for us; our attempt keeps its place and rewrites its
+    grant record with this process's grant channel (a new one: the parent's is the
+    parent's)."""
     try:
-        listener = wake_ups.listen(key, ticket_id)
-        wake_ups.queued(key)  # the parent queues the ticket for us
+        wake_ups = backend.wake_ups
+        listener = wake_ups.listen(key, ticket.id)
+        assert not backend.acquire(key, TTL, ticket=ticket).ok
         subscribed = listener.wait(WAKE_S, None)
-        reports.put(("listening", subscribed and listener.healthy, wake_ups.backend_pid))
+        channel = wake_ups.process_channel
+        reports.put(("listening", subscribed and listener.healthy, wake_ups.backend_pid, channel))
         reports.put(("woken", listener.wait(WAKE_S, None)))
         wake_ups.close()
     except Exception as exc:
@@ -395,12 +400,14 @@ def test_a_forked_child_listens_on_its_own_connection_and_leaves_the_parent_s(pg
     listener = queue_and_subscribe(pg, "wake:fork", mine)  # second in line
     try:
         parents_pid = parent.backend_pid
-        child = ctx.Process(target=_forked_waiter, args=(parent, "wake:fork", theirs.id, reports))
+        child = ctx.Process(target=_forked_waiter, args=(pg, "wake:fork", theirs, reports))
         child.start()
         try:
-            _, healthy, childs_pid = reply(reports)
+            _, healthy, childs_pid, childs_channel = reply(reports)
             assert healthy is True
             assert childs_pid not in (None, parents_pid)
+            assert childs_channel.startswith("syncguard_p_")
+            assert childs_channel != parent.process_channel
             # The child's ticket is first in line, then ours: each release wakes its own.
             assert other.release(held.lock_id).ok
             assert reply(reports) == ("woken", True)
@@ -521,6 +528,16 @@ def test_a_notification_is_a_wake_up_or_a_grant():
     assert wakeups_module._message("ch", "T L x 123") == Message("ch", "T", None)
 
 
+def test_a_notification_on_the_process_channel_names_the_key_s_channel():
+    own = wakeups_module._own_message
+    key = channel_name("k")
+    assert own(f"g T L 2 123 {key}") == Message(key, "T", Grant("L", 2, 123))
+    assert own(f"n T {key}") == Message(key, "T", recheck=True)
+    # Nothing else on it is taken for a key's wake-up (nor for a probe's).
+    for payload in ("T", "g T L 2 123", f"g T L x 123 {key}", "n T", "n T nope", "x T k", ""):
+        assert own(payload) is None, payload
+
+
 def test_a_failing_claim_is_logged_and_never_raised_into_the_channel_thread(caplog, monkeypatch):
     def claim(grant: Grant) -> bool:
         raise ServiceUnavailable("the server is gone")
@@ -549,18 +566,42 @@ def test_a_failing_claim_is_logged_and_never_raised_into_the_channel_thread(capl
         wake_ups.close()
 
 
+def recorded(backend: DatabaseBackend) -> list[Message]:
+    """What the wake-ups of ``backend`` hear from now on (messages only: grants,
+    wake-ups, re-checks), recorded before they are handled."""
+    heard: list[Message] = []
+    handle = backend.wake_ups._handle
+
+    def recording(events: Any) -> None:
+        heard.extend(event for event in events if isinstance(event, Message))
+        handle(events)
+
+    backend.wake_ups._handle = recording  # type: ignore[method-assign]
+    return heard
+
+
 @pytest.mark.slow
 @on_postgres
-def test_a_waiter_killed_first_in_line_delays_the_key_by_its_grant_window(pg, other, children):
+@pytest.mark.parametrize("watching", [True, False], ids=["releaser-checks", "next-told"])
+def test_a_waiter_killed_first_in_line_delays_the_key_by_its_grant_window(
+    pg, other, children, watching
+):
     """A process queued first is killed (SIGKILL); the release grants it the key anyway
-    (its ticket is still live). Nobody claims the grant: it lapses after
-    GRANT_WINDOW_MS, and the next waiter (a thread here, which saw the grant go by)
-    tries again just after and takes the key. The delay is the window, not the dead
-    ticket's patience (2 s) nor a TTL."""
+    (its ticket is still live), on its process's channel, which nobody hears any more.
+    Nobody claims the grant: it lapses after GRANT_WINDOW_MS, and the next waiter (a
+    thread here, of another backend) takes the key just after. Who notices the lapse:
+    the releasing process when its wake-ups are connected (it checks its grant once the
+    window is over and grants the key on; the next waiter hears nothing at the
+    hand-off); else the next waiter, told at the hand-off by an 'n' notification on its
+    process's channel that it is next. The delay is the window, not the dead ticket's
+    patience (2 s) nor a TTL."""
     key = "wake:killed-first"
+    if watching:
+        assert other.wake_ups.want("wake:elsewhere", wait=True)  # its wake-ups run
     held = other.acquire(key, TTL)
     entered: list[tuple[float, str]] = []
     second = threading.Event()
+    heard = recorded(pg)
 
     def contended(sender: Any, alias: str, **kwargs: Any) -> None:
         if alias == pg.alias:
@@ -581,10 +622,11 @@ def test_a_waiter_killed_first_in_line_delays_the_key_by_its_grant_window(pg, ot
     try:
         thread.start()
         assert second.wait(WAKE_S)  # queued behind the child
-        # Listening: the grant's NOTIFY will reach this process and nudge the thread.
+        # Listening: a notification for this process will reach it.
         wait_until(lambda: pg.wake_ups.ready(key), WAKE_S, "the key's channel is listened")
         sigkill(children.started[0])
 
+        assert (other._grant_hook() is not None) is watching
         released_at = time.monotonic()
         assert other.release(held.lock_id).ok
         thread.join(WAKE_S)
@@ -592,23 +634,81 @@ def test_a_waiter_killed_first_in_line_delays_the_key_by_its_grant_window(pg, ot
         signals.lock_contended.disconnect(contended)
         children.terminate()
     assert_delayed_by_the_grant_window(entered, released_at)
+    # What the next waiter's process heard: with a watching releaser, only the grant
+    # its check made; else only the 'n' notification (it then took the key itself).
+    assert [(m.recheck, m.grant is not None) for m in heard] == (
+        [(False, True)] if watching else [(True, False)]
+    )
+    assert {m.channel for m in heard} == {channel_name(pg.storage_key(key))}
+
+
+@on_postgres
+def test_a_grant_wakes_only_the_grantee_s_process(pg, other):
+    """Two processes wait for a key (two backends here: each has its own LISTEN
+    connection and grant channel, as two processes do); the release grants the key to
+    the first, and the second's hears nothing at that hand-off: the grant went to the
+    first's process channel, and the releaser (its wake-ups connected) checks the grant
+    itself, so nobody is told that it is next. The second is granted the key when the
+    first releases, on its own channel."""
+    key = "wake:only-grantee"
+    third = build("postgres")  # the holder and releaser
+    try:
+        assert third.wake_ups.want("wake:elsewhere", wait=True)  # the releaser watches
+        held = third.acquire(key, TTL)
+        first, second = WaitTicket.new(), WaitTicket.new()
+        first_heard, second_heard = recorded(pg), recorded(other)
+        mine = queue_and_subscribe(pg, key, first)
+        theirs = queue_and_subscribe(other, key, second)
+        assert third.release(held.lock_id).ok
+        assert mine.wait(WAKE_S, None) is True
+        assert mine.grant is not None and mine.grant.fence == 2
+        assert [(m.ticket_id, m.grant) for m in first_heard] == [(first.id, mine.grant)]
+        first_heard.clear()
+        # The releaser watches its grant (its check, once the window is over, finds
+        # it claimed, or the key moved on).
+        lock_channel = channel_name(pg.storage_key(key))
+        assert lock_channel in third.wake_ups._watches
+        # Notifications arrive in commit order: once a marker sent after the release
+        # (a wake-up of no ticket, on the key's channel) is heard, whatever the
+        # release sent has been too.
+        marker = Message(lock_channel, "marker")
+        other.ops.run(lambda c: c.execute("SELECT pg_notify(%s, 'marker')", [lock_channel]))
+        wait_until(lambda: marker in second_heard, WAKE_S, "the marker is heard")
+        assert second_heard == [marker]
+        assert theirs.wait(0, None) is False and theirs.recheck_at is None
+        second_heard.clear()
+
+        got = pg.acquire(key, TTL, ticket=first)  # crosses the grant: its lock
+        assert (got.fence, got.lock_id) == ("000000000000002", mine.grant.lock_id)
+        mine.close()
+        assert pg.release(got.lock_id).ok
+        assert theirs.wait(WAKE_S, None) is True
+        assert theirs.grant is not None and theirs.grant.fence == 3
+        assert [(m.ticket_id, m.grant) for m in second_heard] == [(second.id, theirs.grant)]
+        assert first_heard == [Message(lock_channel, "marker")]  # nothing more here
+        got = other.acquire(key, TTL, ticket=second)
+        assert other.release(got.lock_id).ok
+        theirs.close()
+    finally:
+        third.close()
 
 
 @on_postgres
 def test_a_release_that_grants_commits_durably(pg, other):
-    """Decision 47: the release statement sets synchronous_commit off for its own
-    transaction; a release that grants the key writes a fence, so the function sets
-    it back on. The statement's select list runs from left to right, the 'off' before
-    the call, and the setting the transaction commits with is the one seen inside it
-    after the statement (the test server runs with synchronous_commit off: the session
-    sets it on first, as a production server has it)."""
+    """Decision 47: a release sets synchronous_commit off for its own transaction; a
+    release that grants the key writes a fence, so it is set back on. Since 0009 the
+    function sets the 'off' itself, first; the statements of older code set it in the
+    select list (from left to right: before the call in 0008's, after it before).
+    The setting the transaction commits with is the one seen inside it after the
+    statement (the test server runs with synchronous_commit off: the session sets it
+    on first, as a production server has it)."""
 
-    def release_with(sql: str, lock_id: str) -> tuple[tuple[Any, ...], str]:
+    def release_with(sql: str, lock_id: str, *more: Any) -> tuple[tuple[Any, ...], str]:
         def work(cursor: Any) -> tuple[tuple[Any, ...], str]:
             cursor.execute("SET synchronous_commit = on")
             cursor.execute("BEGIN")
             try:
-                cursor.execute(sql, [lock_id, TIME_TOLERANCE_MS])
+                cursor.execute(sql, [lock_id, TIME_TOLERANCE_MS, *more])
                 row = tuple(cursor.fetchone())
                 cursor.execute("SELECT current_setting('synchronous_commit')")
                 (setting,) = cursor.fetchone()
@@ -631,16 +731,31 @@ def test_a_release_that_grants_commits_durably(pg, other):
     try:
         # Nobody waits: the release alone, not durable.
         alone = other.acquire("durable:alone", TTL)
-        assert release_with(RELEASE, alone.lock_id) == (("off", 1), "off")
+        assert release_with(RELEASE, alone.lock_id, False) == ((1, None, None), "off")
 
-        # A waiter with a grant record: granted, durable.
+        # A waiter with a grant record: granted, durable; watched, the release says
+        # which ticket it granted the key of which storage key to.
         lock_id, ticket = held_and_waited("durable:granted")
-        assert release_with(RELEASE, lock_id) == (("off", 1), "on")
+        assert release_with(RELEASE, lock_id, True) == (
+            (1, ticket.id, other.storage_key("durable:granted")),
+            "on",
+        )
         row = lock_row(other, "durable:granted")
         assert row is not None and (row["granted_to"], row["fence"]) == (
             ticket.id,
             "000000000000002",
         )
+        lock_id, ticket = held_and_waited("durable:unwatched")
+        assert release_with(RELEASE, lock_id, False) == ((1, None, None), "on")
+        assert lock_row(other, "durable:unwatched")["granted_to"] == ticket.id
+
+        # 0008's statement, the 'off' first: still durable when it grants.
+        of_0008 = (
+            "SELECT set_config('synchronous_commit', 'off', true), syncguard_release(%s, %s, true)"
+        )
+        lock_id, ticket = held_and_waited("durable:0008")
+        assert release_with(of_0008, lock_id) == (("off", 1), "on")
+        assert lock_row(other, "durable:0008")["granted_to"] == ticket.id
 
         # The same call with the 'off' after it (the order of code before 0008) would
         # have committed the grant without waiting for its flush: the order matters.
@@ -659,7 +774,7 @@ def test_a_release_that_grants_commits_durably(pg, other):
 
         # A waiter without a record (code before 0008) is only woken, not durably.
         lock_id, ticket = held_and_waited("durable:no-record", record=False)
-        assert release_with(RELEASE, lock_id) == (("off", 1), "off")
+        assert release_with(RELEASE, lock_id, True) == ((1, None, None), "off")
         assert lock_row(other, "durable:no-record") is None
     finally:
         other_version.close()
@@ -816,6 +931,29 @@ def test_the_reverse_migration_restores_the_previous_functions(
 
 def migrate_back_and_forth(alias: str) -> None:
     call_command("migrate", "django_syncguard", database=alias, verbosity=0)
+    # 0009: the fourteen-argument acquire (process channel, watched), the four-argument
+    # release and withdraw, the six-argument hand-over and the grant check; 0008's
+    # acquire, release and withdraw became their wrappers, its hand-over is gone.
+    assert functions(alias) == {
+        ("syncguard_acquire", 7, "sql"),
+        ("syncguard_acquire", 9, "sql"),
+        ("syncguard_acquire", 10, "sql"),
+        ("syncguard_acquire", 11, "sql"),
+        ("syncguard_acquire", 12, "sql"),
+        ("syncguard_acquire", 14, "plpgsql"),
+        ("syncguard_channel", 1, "sql"),
+        ("syncguard_check_grant", 4, "plpgsql"),
+        ("syncguard_claim", 2, "plpgsql"),
+        ("syncguard_extend", 3, "plpgsql"),
+        ("syncguard_hand_over", 6, "plpgsql"),
+        ("syncguard_release", 2, "sql"),
+        ("syncguard_release", 3, "sql"),
+        ("syncguard_release", 4, "plpgsql"),
+        ("syncguard_withdraw", 3, "sql"),
+        ("syncguard_withdraw", 4, "plpgsql"),
+    }
+    assert "process_channel" in columns(alias, "syncguard_waiters")
+    call_command("migrate", "django_syncguard", "0008", database=alias, verbosity=0)
     # 0008: the twelve-argument acquire (grant records) and the three-argument release
     # (grants), the claim and the hand-over; the eleven-argument acquire and the
     # two-argument release became their wrappers.
@@ -835,6 +973,7 @@ def migrate_back_and_forth(alias: str) -> None:
     }
     assert {"granted_to", "grant_expires_at_ms"} <= columns(alias, "syncguard_locks")
     assert "grant_window_ms" in columns(alias, "syncguard_waiters")
+    assert "process_channel" not in columns(alias, "syncguard_waiters")
     call_command("migrate", "django_syncguard", "0007", database=alias, verbosity=0)
     # 0007: the eleven-argument acquire (owner label); the ten-argument one became its
     # wrapper.
@@ -914,6 +1053,30 @@ def migrate_back_and_forth(alias: str) -> None:
             (lock_id,) = cursor.fetchone()
             cursor.execute("SELECT syncguard_release(%s, 1000)", [lock_id])
             assert cursor.fetchone() == (1,)
+            # And what code deployed before 0009 sends: the twelve-argument acquire (a
+            # grant record without a process channel), which queues behind a holder,
+            # the three-argument release, which grants, and the three-argument
+            # withdrawal, which gives the grant back.
+            held, ticket = generate_lock_id(), generate_lock_id()
+            old_acquire = (
+                "SELECT * FROM syncguard_acquire('v8', 'fence:v8', %s, 60000, NULL, 9, "
+                "1000, %s, 60000, false, NULL, 1000)"
+            )
+            cursor.execute(old_acquire, [held, None])
+            assert cursor.fetchone() == (1, 1, ANY, None, None)
+            cursor.execute(old_acquire, [generate_lock_id(), ticket])
+            assert cursor.fetchone() == (0, None, None, 0, None)
+            cursor.execute(
+                "SELECT ticket_id, process_channel FROM syncguard_waiters WHERE key = 'v8'"
+            )
+            assert cursor.fetchall() == [(ticket, None)]
+            cursor.execute("SELECT syncguard_release(%s, 1000, true)", [held])
+            assert cursor.fetchone() == (1,)
+            cursor.execute("SELECT granted_to, fence FROM syncguard_locks WHERE key = 'v8'")
+            assert cursor.fetchone() == (ticket, "000000000000002")
+            cursor.execute("SELECT syncguard_withdraw('v8', %s, 1000)", [ticket])
+            cursor.execute("SELECT count(*) FROM syncguard_locks WHERE key = 'v8'")
+            assert cursor.fetchone() == (0,)
         assert backend.lookup(key="older").owner is None
         assert backend.acquire("migrated", TTL).fence == "000000000000001"
         assert backend.lookup(key="migrated").owner is not None

@@ -35,6 +35,7 @@ from .operations import (
     FENCE_OVERFLOW,
     LOCKED,
     DatabaseOperations,
+    OnGrant,
     Row,
     StorageKeys,
     WakeUpHooks,
@@ -153,6 +154,24 @@ class DatabaseBackend(BatchedCleanup, BaseLockBackend):
         taken over already."""
         return self.ops.claim(grant.lock_id) == 1
 
+    def check_grant(self, storage_key: str, ticket_id: str, watched: bool) -> tuple[int, Any, Any]:
+        """Check a grant this process made once its window is over (the listener's
+        thread calls it, on that thread's own private connection): if it lapsed
+        unclaimed, the key goes on to the next waiter (see ``syncguard_check_grant``)."""
+        return self.ops.check_grant(storage_key, ticket_id, watched)
+
+    def _built_wake_ups(self) -> DatabaseWakeUps | None:
+        """This backend's wake-ups if this process built them (a waiter did), without
+        building them."""
+        built = self.__dict__.get("_wake_ups_built")
+        return built if isinstance(built, DatabaseWakeUps) else None
+
+    def _grant_hook(self) -> OnGrant | None:
+        """``on_grant`` for a statement sent now: this process checks the grants it
+        makes when its wake-ups are connected (else the next waiter is told)."""
+        wake_ups = self._built_wake_ups()
+        return None if wake_ups is None or not self.grants else wake_ups.grant_hook()
+
     def _queued(self, key: str) -> None:
         """A waiter's ticket was just queued: its wake-ups must reach this process (on
         PostgreSQL, LISTEN on the key's channel if that is not done yet)."""
@@ -174,6 +193,7 @@ class DatabaseBackend(BatchedCleanup, BaseLockBackend):
             storage_key=self.storage_key,
             reply_timeout_s=reply_timeout_s,
             claim=self.claim if self.grants else None,
+            check_grant=self.check_grant if self.grants else None,
         )
 
     def _listen_connection(self) -> BaseDatabaseWrapper:
@@ -212,6 +232,8 @@ class DatabaseBackend(BatchedCleanup, BaseLockBackend):
     ) -> AcquireResult:
         lock_id = note_sent(generate_lock_id())
         check_cancelled = partial(check_cancel, cancel, {"key": key})
+        wake_ups = self._built_wake_ups()
+        grants = self.grants
         status, fence, expires, position, granted = self.ops.acquire(
             self.storage_keys(key),
             lock_id,
@@ -220,7 +242,9 @@ class DatabaseBackend(BatchedCleanup, BaseLockBackend):
             ticket,
             clock=self.fence_mode == "clock",
             owner=self._owner(),
-            grant_window_ms=tickets.GRANT_WINDOW_MS if self.grants else None,
+            grant_window_ms=tickets.GRANT_WINDOW_MS if grants else None,
+            process_channel=None if wake_ups is None else wake_ups.grant_channel(),
+            on_grant=None if wake_ups is None or not grants else wake_ups.grant_hook(),
         )
         if status == FENCE_OVERFLOW:
             raise fence_overflow_error(key)
@@ -228,6 +252,8 @@ class DatabaseBackend(BatchedCleanup, BaseLockBackend):
             if ticket is not None:
                 self._queued(key)
             return AcquireResult.locked(None if position is None else int(position))
+        if wake_ups is not None:
+            wake_ups.key_settled(key)  # the key was free: a grant of it made here ended
         if granted is not None:  # a release had granted the key to this ticket: its lock
             lock_id = str(granted)
         return AcquireResult(
@@ -235,13 +261,13 @@ class DatabaseBackend(BatchedCleanup, BaseLockBackend):
         )
 
     def _release(self, lock_id: str, cancel: CancelToken | None) -> ReleaseResult:
-        deleted, existed = self.ops.release(lock_id)
+        deleted, existed = self.ops.release(lock_id, on_grant=self._grant_hook())
         if deleted:
             return ReleaseResult(ok=True)
         return ReleaseResult(ok=False, reason="expired" if existed else "not-found")
 
     def _withdraw(self, key: str, ticket_id: str) -> None:
-        self.ops.withdraw(self.storage_keys(key), key, ticket_id)
+        self.ops.withdraw(self.storage_keys(key), key, ticket_id, on_grant=self._grant_hook())
 
     def _extend(self, lock_id: str, ttl_ms: int, cancel: CancelToken | None) -> ExtendResult:
         expires, existed = self.ops.extend(lock_id, ttl_ms)

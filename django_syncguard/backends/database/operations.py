@@ -42,6 +42,12 @@ LOCKED, ACQUIRED, FENCE_OVERFLOW = 0, 1, 2
 #: the grant: the answer is that lock), else None (the attempt's own lock id).
 AcquireReply: TypeAlias = tuple[int, Any, Any, Any, Any]
 
+#: Called with ``(storage key, ticket id)`` when a statement sent as watched granted
+#: the key to that ticket and told nobody else (vendors that grant over a channel): the
+#: caller's process checks the grant once its window is over (``ChannelWorker.watch``).
+#: Passing one is what asks the statement to watch.
+OnGrant: TypeAlias = Callable[[str, str], None]
+
 LOCK_COLUMNS = "key, lock_id, expires_at_ms, acquired_at_ms, fence, user_key, owner"
 
 # Housekeeping (admin inspector, syncguard_cleanup), the same SQL on every vendor.
@@ -106,6 +112,10 @@ class WakeUpHooks(NamedTuple):
     #: Claim a grant delivered to a waiter of this process, from the listener's thread
     #: (vendors that grant; see ``DatabaseBackend.claim``).
     claim: Callable[[Grant], bool] | None = None
+    #: Check a grant this process made once its window is over, from the listener's
+    #: thread: ``(storage key, ticket, watched) -> (status, ms left, ticket granted
+    #: now)`` (vendors that grant over a channel; see ``DatabaseBackend.check_grant``).
+    check_grant: Callable[[str, str, bool], tuple[int, Any, Any]] | None = None
 
 
 class StorageKeys(NamedTuple):
@@ -200,6 +210,8 @@ class DatabaseOperations(ABC):
         clock: bool,
         owner: str | None = None,
         grant_window_ms: int | None = None,
+        process_channel: str | None = None,
+        on_grant: OnGrant | None = None,
     ) -> AcquireReply:
         """Take the lock if no live one holds it and no live waiter is ahead of
         ``ticket`` (see ``AcquireReply`` and :mod:`django_syncguard.waiting`); queue the
@@ -210,16 +222,22 @@ class DatabaseOperations(ABC):
         atomic step; the counter is written with the acquisition's time. ``owner``
         (the holder's label, or None) is stored with the lock. With ``grant_window_ms``
         (vendors that grant), a queued ticket leaves a grant record: a release may write
-        the lock for it, to be claimed within that window."""
+        the lock for it, to be claimed within that window; ``process_channel`` (vendors
+        with one) is where that grant is announced. With ``on_grant``, an attempt that
+        hands the free key to another waiter first tells nobody else and reports it
+        there (see ``OnGrant``)."""
 
     @abstractmethod
-    def release(self, lock_id: str) -> tuple[bool, bool]:
+    def release(self, lock_id: str, *, on_grant: OnGrant | None = None) -> tuple[bool, bool]:
         """Delete the live lock ``lock_id``: ``(deleted, a record of it exists)``; once
         deleted, wake the key's first live waiter (``NOTIFY`` on PostgreSQL, this
-        process's wake-ups on SQLite)."""
+        process's wake-ups on SQLite), or grant it the key. ``on_grant``: see
+        ``OnGrant`` (a vendor without a channel never calls it)."""
 
     @abstractmethod
-    def withdraw(self, keys: StorageKeys, key: str, ticket_id: str) -> None:
+    def withdraw(
+        self, keys: StorageKeys, key: str, ticket_id: str, *, on_grant: OnGrant | None = None
+    ) -> None:
         """Take ``ticket_id`` out of the queue of ``key`` (stored under ``keys``); when
         the key is free, wake the new first live waiter, as ``release`` does."""
 
@@ -231,6 +249,13 @@ class DatabaseOperations(ABC):
         """Claim the grant ``lock_id`` (vendors that grant): 1 claimed (or claimed
         already), 2 it lapsed or expired, 0 not found."""
         raise NotImplementedError(f"{self.backend_name} does not grant")
+
+    def check_grant(self, storage_key: str, ticket_id: str, watched: bool) -> tuple[int, Any, Any]:
+        """Check a grant this process made once its window is over (vendors that grant
+        over a channel): ``(0, None, None)`` claimed or moved on, ``(2, ms, None)`` its
+        window ends in ms, ``(1, None, ticket or None)`` it lapsed and the key went on
+        (to that ticket, reported when ``watched``)."""
+        raise NotImplementedError(f"{self.backend_name} does not watch its grants")
 
     def deploy_check(self, alias: str, hooks: WakeUpHooks) -> list[Any]:
         """Check messages that need the server (``manage.py check --deploy``)."""

@@ -1,10 +1,12 @@
 """PostgreSQL: server time, one statement (one round trip) per operation.
 
-Acquire, release, withdraw, extend and claim call the PL/pgSQL functions of
-migrations 0002 to 0008; the other operations are single statements that read the
-server's clock when they run. Release and withdraw grant the key to its first waiter
-(or only wake it) with ``NOTIFY``, which ``wakeups.PostgresWakeUps`` hears; its process
-claims a grant through :meth:`PostgresOperations.claim`. ``specs/backends/database.md``
+Acquire, release, withdraw, extend, claim and the grant check call the PL/pgSQL
+functions of migrations 0002 to 0009; the other operations are single statements that
+read the server's clock when they run. Release and withdraw grant the key to its first
+waiter (or only wake it) with ``NOTIFY`` on that waiter's process channel (or the
+key's), which ``wakeups.PostgresWakeUps`` hears; its process claims a grant through
+:meth:`PostgresOperations.claim`, and the releasing process checks it once its window
+is over (:meth:`PostgresOperations.check_grant`). ``specs/backends/database.md``
 (Operations on PostgreSQL, Queues and wake-ups, Grants) gives the steps of each and why
 they are atomic.
 """
@@ -31,6 +33,7 @@ from .operations import (
     LOCK_COLUMNS,
     AcquireReply,
     DatabaseOperations,
+    OnGrant,
     Row,
     StorageKeys,
     WakeUpHooks,
@@ -47,25 +50,28 @@ NOW = f"SELECT {NOW_MS}"
 #: FLOOR_KEY as an SQL literal, as the functions have it.
 FLOOR = PLACEHOLDERS["floor_key"]
 
-# Functions installed by migrations 0002 to 0008 (their SQL: sql/0002/ to sql/0008/).
+# Functions installed by migrations 0002 to 0009 (their SQL: sql/0002/ to sql/0009/).
 # Acquire's status is LOCKED, ACQUIRED or FENCE_OVERFLOW (with the ticket's queue
-# position, and the lock id of a grant the attempt crossed); release's, extend's and
-# claim's: 1 = done, 2 = expired (or a lapsed grant), 0 = not found.
-ACQUIRE = "SELECT * FROM syncguard_acquire(%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
+# position, the lock id of a grant the attempt crossed, and the ticket a watched
+# attempt granted the key to); release's, extend's and claim's: 1 = done, 2 = expired
+# (or a lapsed grant), 0 = not found. The last argument of acquire, release, withdraw
+# and the check says whether this process checks a grant the statement makes (it
+# then tells nobody but the grantee, and reports the ticket).
+ACQUIRE = "SELECT * FROM syncguard_acquire(%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
 # A release commits without waiting for its WAL flush (local to its own transaction;
 # acquires and extends stay durable): lost in a server crash, it leaves the lock to
 # its TTL, as a crashed holder does, and the next durable commit flushes it anyway.
-# A release that grants the key writes a fence, which must be durable: the function
-# sets synchronous_commit back on for its transaction, so the 'off' must come first.
-# The select list is evaluated from left to right, set_config before the call
+# The function sets synchronous_commit off itself, first; a release that grants the
+# key writes a fence, which must be durable, and sets it back on for its transaction
 # (tests/test_database_wakeups.py checks which setting the commit gets). See
 # specs/backends/database.md, Durability of a release.
 # Any release may grant: a waiter that takes grants left a record, whatever this
 # backend's own WAKE_UPS.
-RELEASE = "SELECT set_config('synchronous_commit', 'off', true), syncguard_release(%s, %s, true)"
+RELEASE = "SELECT * FROM syncguard_release(%s, %s, true, %s)"
 EXTEND = "SELECT * FROM syncguard_extend(%s, %s, %s)"
 CLAIM = "SELECT syncguard_claim(%s, %s)"
-WITHDRAW = "SELECT syncguard_withdraw(%s, %s, %s)"
+WITHDRAW = "SELECT syncguard_withdraw(%s, %s, %s, %s)"
+CHECK_GRANT = "SELECT * FROM syncguard_check_grant(%s, %s, %s, %s)"
 NOTIFY = "SELECT pg_notify(%s, %s)"
 
 # Deploy-check messages of this vendor (see checks.py for the table of ids).
@@ -294,6 +300,8 @@ class PostgresOperations(DatabaseOperations):
         clock: bool,
         owner: str | None = None,
         grant_window_ms: int | None = None,
+        process_channel: str | None = None,
+        on_grant: OnGrant | None = None,
     ) -> AcquireReply:
         params = [
             keys.storage_key,
@@ -308,33 +316,55 @@ class PostgresOperations(DatabaseOperations):
             clock,
             owner,
             None if ticket is None else grant_window_ms,
+            None if ticket is None or grant_window_ms is None else process_channel,
+            on_grant is not None,
         ]
         # One statement: ``cancel`` was checked before dispatch. Checking it after
         # the commit would raise while holding a lock the caller never learns of.
-        status, fence, expires, position, granted = self.run(
+        status, fence, expires, position, crossed, handed = self.run(
             lambda c: fetch_one(c, ACQUIRE, params)
         )
-        return status, fence, expires, position, granted
+        if handed is not None and on_grant is not None:
+            on_grant(keys.storage_key, str(handed))
+        return status, fence, expires, position, crossed
 
-    def release(self, lock_id: str) -> tuple[bool, bool]:
-        params = [lock_id, TIME_TOLERANCE_MS]
+    def release(self, lock_id: str, *, on_grant: OnGrant | None = None) -> tuple[bool, bool]:
+        params = [lock_id, TIME_TOLERANCE_MS, on_grant is not None]
         # The function grants the key to (or NOTIFYs) the next waiter.
-        _, status = self.run(lambda c: fetch_one(c, RELEASE, params))
+        status, granted, storage_key = self.run(lambda c: fetch_one(c, RELEASE, params))
+        if granted is not None and on_grant is not None:
+            on_grant(str(storage_key), str(granted))
         return status == 1, status == 2
+
+    def check_grant(self, storage_key: str, ticket_id: str, watched: bool) -> tuple[int, Any, Any]:
+        """``syncguard_check_grant``: ``(status, ms left, ticket granted now)``."""
+        params = [storage_key, ticket_id, TIME_TOLERANCE_MS, watched]
+        status, left_ms, granted = self.run(lambda c: fetch_one(c, CHECK_GRANT, params))
+        return int(status), left_ms, granted
 
     def claim(self, lock_id: str) -> int:
         params = [lock_id, TIME_TOLERANCE_MS]
         return int(self.run(lambda c: fetch_value(c, CLAIM, params)))
 
-    def withdraw(self, keys: StorageKeys, key: str, ticket_id: str) -> None:
-        params = [keys.storage_key, ticket_id, TIME_TOLERANCE_MS]
-        self.run(lambda c: fetch_value(c, WITHDRAW, params))  # NOTIFYs the next waiter
+    def withdraw(
+        self, keys: StorageKeys, key: str, ticket_id: str, *, on_grant: OnGrant | None = None
+    ) -> None:
+        params = [keys.storage_key, ticket_id, TIME_TOLERANCE_MS, on_grant is not None]
+        # Grants the key to (or NOTIFYs) the next waiter when it is free.
+        granted = self.run(lambda c: fetch_value(c, WITHDRAW, params))
+        if granted is not None and on_grant is not None:
+            on_grant(keys.storage_key, str(granted))
 
     def make_wake_ups(self, name: str, hooks: WakeUpHooks) -> DatabaseWakeUps:
         transport = PostgresTransport(
             name, connect=hooks.listen, probe=partial(_probe, hooks), storage_key=hooks.storage_key
         )
-        return PostgresWakeUps(transport, reply_timeout_s=hooks.reply_timeout_s, claim=hooks.claim)
+        return PostgresWakeUps(
+            transport,
+            reply_timeout_s=hooks.reply_timeout_s,
+            claim=hooks.claim,
+            check_grant=hooks.check_grant,
+        )
 
     def deploy_check(self, alias: str, hooks: WakeUpHooks) -> list[Any]:
         """``syncguard.W012`` when a connection that LISTENs does not receive a

@@ -57,6 +57,7 @@ from .operations import (
     LOCKED,
     AcquireReply,
     DatabaseOperations,
+    OnGrant,
     Row,
     Runner,
     StorageKeys,
@@ -340,7 +341,11 @@ class SqliteOperations(DatabaseOperations):
         clock: bool,
         owner: str | None = None,
         grant_window_ms: int | None = None,
+        process_channel: str | None = None,
+        on_grant: OnGrant | None = None,
     ) -> AcquireReply:
+        # (No channel between processes here: ``process_channel`` and ``on_grant`` are
+        # never used; a grant wakes this process's waiter directly.)
         # A queued ticket leaves its grant request only when the backend asks for
         # grants (``grant_window_ms``): what the lock written for it will be.
         request = None
@@ -597,7 +602,7 @@ class SqliteOperations(DatabaseOperations):
     def _name(self) -> str:
         return str(connections[self.database].settings_dict["NAME"])
 
-    def release(self, lock_id: str) -> tuple[bool, bool]:
+    def release(self, lock_id: str, *, on_grant: OnGrant | None = None) -> tuple[bool, bool]:
         now = self.clock()
         if not self._grants:
             return self._release_and_wake(lock_id, now)
@@ -646,7 +651,9 @@ class SqliteOperations(DatabaseOperations):
         self._wake_next(str(deleted[1]), str(deleted[0]), now)
         return True, True
 
-    def withdraw(self, keys: StorageKeys, key: str, ticket_id: str) -> None:
+    def withdraw(
+        self, keys: StorageKeys, key: str, ticket_id: str, *, on_grant: OnGrant | None = None
+    ) -> None:
         if not self.queues:
             return
         params = [keys.storage_key, ticket_id]

@@ -1,12 +1,19 @@
 """The database backend's wake-ups: ``LISTEN``/``NOTIFY`` on PostgreSQL, in-process on
 SQLite.
 
-On PostgreSQL, ``syncguard_release`` and ``syncguard_withdraw`` send ``NOTIFY`` on the
-key's channel, delivered when the release commits: the payload is the first live
-ticket's id when it is only woken (migration 0005), or ``<ticket> <lock id> <fence>
-<expires>`` when the release granted it the key (0008): the waiter enters on it, and
-this process claims the grant from the channel's thread
-(:meth:`PostgresWakeUps.claim`). :class:`PostgresWakeUps` is the package's
+On PostgreSQL, ``syncguard_release`` and ``syncguard_withdraw`` send ``NOTIFY``,
+delivered when the release commits. A waiter only woken hears its ticket id on the
+key's channel (migration 0005). A grant goes to the grantee's process alone (0009): on
+the channel of that process (:attr:`PostgresTransport.process_channel`, LISTENed first
+on every listening connection, a new one in a forked child), as ``g <ticket> <lock id>
+<fence> <expires> <key channel>``; a waiter of code before 0009 left no such channel
+and hears ``<ticket> <lock id> <fence> <expires>`` on the key's (0008). The waiter
+enters on the grant, and this process claims it from the channel's thread
+(:meth:`PostgresWakeUps.claim`). The releasing process checks its grant once the
+window is over (``ChannelWorker.watch``, :meth:`PostgresWakeUps.watch_grant`); a
+releaser that cannot (its wake-ups are not connected) has the next waiter told ``n
+<ticket> <key channel>`` on its process's channel instead, and it re-checks after the
+window itself. :class:`PostgresWakeUps` is the package's
 :class:`~django_syncguard.waiting.channels.ChannelWorker` over a
 :class:`PostgresTransport`: ONE dedicated connection per backend and process
 (autocommit, from the same ``DATABASES`` settings as the backend's own connections, or
@@ -38,16 +45,20 @@ import logging
 import re
 import secrets
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from inspect import signature
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from ...keys import derived
-from ...waiting import Grant, WakeUps
+from ...waiting import Grant, WakeUps, tickets
 from ...waiting.channels import ChannelWorker, Deaf, Event, Message
 from .connections import close_quietly
+
+if TYPE_CHECKING:
+    from .operations import OnGrant
 
 logger = logging.getLogger("django_syncguard.backends.database")
 
@@ -61,6 +72,16 @@ PROBE_S = 1.0
 LOOP_S = 1.0
 
 _CHANNEL = re.compile(r"syncguard_[0-9a-z_]{1,53}")
+#: What a process's grant channel is named after: no key's channel (``syncguard_`` and
+#: hex digits) nor the probe's starts with it.
+PROCESS_CHANNEL_PREFIX = "syncguard_p_"
+#: The storage keys of the channels this process watched a grant on, at most this many
+#: (the oldest go first): the check needs the key, and a channel is a hash of it.
+WATCHED_KEYS_CAP = 4_096
+
+#: Checks a grant this process made: ``(storage key, ticket, watched) -> (status, ms
+#: left, ticket granted now)`` (``syncguard_check_grant``'s row).
+CheckGrant: TypeAlias = Callable[[str, str, bool], tuple[int, Any, Any]]
 
 DEAF_WARNING = (
     "Lock backend %r: the PostgreSQL connection that LISTENs for wake-ups did not "
@@ -101,6 +122,19 @@ class DatabaseWakeUps(WakeUps):
     def queued(self, key: str) -> None:
         """A waiter of this process has just found ``key`` held (its ticket is
         queued): make sure its wake-ups will reach us."""
+
+    def grant_channel(self) -> str | None:
+        """Where a grant to a waiter of this process is announced (None: the key's
+        channel, or no channel at all)."""
+        return None
+
+    def grant_hook(self) -> OnGrant | None:
+        """What a statement sent now passes as ``on_grant`` so that this process checks
+        a grant it makes (None: it cannot now; the next waiter is told instead)."""
+        return None
+
+    def key_settled(self, key: str) -> None:
+        """This process has just acquired ``key``: grants of it made here have ended."""
 
 
 class LocalWakeUps(DatabaseWakeUps):
@@ -146,6 +180,16 @@ class PostgresTransport:
         self._probe_notify = probe
         self._storage_key = storage_key
         self._probed = False
+        #: This process's own channel, for the grants made to its waiters (a grant
+        #: wakes only the process it is for); see :meth:`new_process_channel`.
+        self.process_channel = ""
+        self.new_process_channel()
+
+    def new_process_channel(self) -> None:
+        """A channel of this process's own (again in a forked child: the parent's is
+        the parent's): :data:`PROCESS_CHANNEL_PREFIX` and 32 random hex digits (44
+        bytes, under PostgreSQL's 63)."""
+        self.process_channel = PROCESS_CHANNEL_PREFIX + secrets.token_hex(16)
 
     def channel(self, key: str) -> str:
         return derived(
@@ -162,10 +206,14 @@ class PostgresTransport:
             if not self._probed:
                 self._probe(raw)
                 self._probed = True
+            # First on the connection: LISTENed before any key's channel, so before the
+            # confirmation that lets a waiter count on a grant reaching it.
+            own = self.process_channel
+            _execute(raw, f"LISTEN {_quoted(own)}")
         except BaseException:
             close_quietly(wrapper)
             raise
-        return _Listening(wrapper, raw)
+        return _Listening(wrapper, raw, own)
 
     def _probe(self, raw: Any) -> None:
         """Raise :class:`Deaf` unless a notification sent through a normal connection
@@ -178,10 +226,11 @@ class PostgresTransport:
 class _Listening:
     """The listening connection (a :class:`~django_syncguard.waiting.channels.Connection`)."""
 
-    def __init__(self, wrapper: BaseDatabaseWrapper, raw: Any) -> None:
+    def __init__(self, wrapper: BaseDatabaseWrapper, raw: Any, own_channel: str = "") -> None:
         self.wrapper = wrapper
         self.raw = raw
         self.pid: int = raw.info.backend_pid
+        self.own_channel = own_channel  # the process's grant channel
 
     def fileno(self) -> int:
         return int(self.raw.fileno())
@@ -197,7 +246,11 @@ class _Listening:
         events: list[Event] = []
         try:
             for notify in self.raw.notifies(timeout=0):
-                if notify.payload:
+                if notify.channel == self.own_channel:
+                    message = _own_message(notify.payload)
+                    if message is not None:
+                        events.append(message)
+                elif notify.payload:
                     events.append(_message(notify.channel, notify.payload))
         except Exception:
             if not events:
@@ -221,11 +274,29 @@ def _message(channel: str, payload: str) -> Message:
     return Message(channel, ticket, Grant.parse(grant) if grant else None)
 
 
+def _own_message(payload: str) -> Message | None:
+    """A notification on the process's channel, as a message on the key's channel it
+    names: ``g <ticket> <lock id> <fence> <expires> <key channel>`` (the key was
+    granted to that ticket) or ``n <ticket> <key channel>`` (that ticket is next after
+    a grant: it re-checks once the grant's window is over). None for anything else
+    (logged): nothing on this channel may be taken for a key's wake-up."""
+    kind, *fields = payload.split(" ")
+    if kind == "g" and len(fields) == 5 and _CHANNEL.fullmatch(fields[4]):
+        grant = Grant.parse(fields[1:4])
+        if grant is not None:
+            return Message(fields[4], fields[0], grant)
+    elif kind == "n" and len(fields) == 2 and _CHANNEL.fullmatch(fields[1]):
+        return Message(fields[1], fields[0], recheck=True)
+    logger.debug("Ignored a malformed notification on the process channel: %r", payload[:200])
+    return None
+
+
 class PostgresWakeUps(ChannelWorker, DatabaseWakeUps):
     """LISTEN/NOTIFY wake-ups of one database backend in this process; see the module
     docstring. ``reply_timeout_s`` is the longest the thread can be busy with the
     server (connecting, probing, a reply): how long ``close()`` waits for it.
-    ``claim`` claims a grant on the server (None: the backend does not grant)."""
+    ``claim`` claims a grant on the server (None: the backend does not grant);
+    ``check_grant`` checks one this process made (see :meth:`watch_grant`)."""
 
     transport: PostgresTransport
 
@@ -235,9 +306,67 @@ class PostgresWakeUps(ChannelWorker, DatabaseWakeUps):
         *,
         reply_timeout_s: float,
         claim: Callable[[Grant], bool] | None = None,
+        check_grant: CheckGrant | None = None,
     ) -> None:
         super().__init__(transport.name, transport, timeout_s=reply_timeout_s)
         self._claim = claim
+        self._check_grant = check_grant
+        # channel -> storage key of the grants watched (see WATCHED_KEYS_CAP). Never
+        # dropped when a check runs: a grant of the key made meanwhile may need it.
+        self._watched_keys: OrderedDict[str, str] = OrderedDict()
+
+    @property
+    def process_channel(self) -> str:
+        """Where grants for this process's waiters are NOTIFYed."""
+        return self.transport.process_channel
+
+    def _reset_after_fork(self) -> None:
+        super()._reset_after_fork()
+        self.transport.new_process_channel()  # the parent's is the parent's
+        self._watched_keys = OrderedDict()
+
+    def grant_channel(self) -> str | None:
+        return self.transport.process_channel
+
+    def grant_hook(self) -> OnGrant | None:
+        return self.watch_grant if self.watching else None
+
+    def key_settled(self, key: str) -> None:
+        if self._watches:  # nothing to look up on a process that made no grant
+            self.settled(self.transport.channel(key))
+
+    def watch_grant(self, storage_key: str, ticket_id: str) -> None:
+        """A statement of this process (a release, withdrawal or attempt, sent while
+        :attr:`watching`) granted the key stored as ``storage_key`` to ``ticket_id``
+        and told nobody else: check it once its window is over
+        (:meth:`~django_syncguard.waiting.channels.ChannelWorker.watch`)."""
+        channel = channel_name(storage_key)
+        with self._claims_lock:
+            self._watched_keys[channel] = storage_key
+            self._watched_keys.move_to_end(channel)
+            if len(self._watched_keys) > WATCHED_KEYS_CAP:
+                self._watched_keys.popitem(last=False)
+        self.watch(channel, ticket_id)
+
+    def _check_grant_on_server(self, channel: str, ticket_id: str) -> None:
+        """The window of a grant this process made is over: if it lapsed unclaimed,
+        the server grants the key on (``syncguard_check_grant``), and that grant is
+        watched in turn; one whose window the server's clock says is not over yet is
+        checked again then. On this (the channel's) thread, through its own private
+        connection of the backend, as a claim. A key forgotten (beyond
+        :data:`WATCHED_KEYS_CAP`) is left to the waiters' check-ins."""
+        with self._claims_lock:
+            storage_key = self._watched_keys.get(channel)
+        if storage_key is None or self._check_grant is None:
+            logger.debug("A grant made here could not be checked: its key is forgotten.")
+            return
+        status, left_ms, granted = self._check_grant(storage_key, ticket_id, self.watching)
+        if status == 2:
+            self.watch(channel, ticket_id, (int(left_ms) + tickets.RECHECK_MARGIN_MS) / 1000)
+        elif status == 1:
+            logger.info("A lock granted to a waiter lapsed unclaimed; the key goes on.")
+            if granted is not None:
+                self.watch(channel, str(granted))
 
     def _claim_on_server(self, key: str, grant: Grant) -> None:
         """Claim a grant delivered to a waiter of this process, from this (the
