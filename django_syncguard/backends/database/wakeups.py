@@ -326,6 +326,7 @@ class PostgresWakeUps(ChannelWorker, DatabaseWakeUps):
         self._watched_keys = OrderedDict()
 
     def grant_channel(self) -> str | None:
+        self._after_fork()  # a child that has not reset yet must not name the parent's
         return self.transport.process_channel
 
     def grant_hook(self) -> OnGrant | None:
