@@ -22,8 +22,9 @@ from django_syncguard import current_lock, generate_lock_id, lock, signals
 from django_syncguard.backends.redis import RedisBackend
 from django_syncguard.backends.redis import wakeups as redis_wakeups
 from django_syncguard.backends.redis.wakeups import RedisWakeUps
-from django_syncguard.waiting import WaitTicket
+from django_syncguard.waiting import GRANT_WINDOW_MS, WaitTicket
 from django_syncguard.waiting.channels import Message
+from django_syncguard.waiting.tickets import RECHECK_MARGIN_MS
 from tests.support import redis_wakeup_workers as workers
 from tests.support.faults import wait_until
 from tests.support.harness import RedisHarness
@@ -508,7 +509,8 @@ def test_a_grant_the_releaser_watches_is_settled_by_the_key_moving_on(rh, queued
         assert leave.wait(WAKE_S)
 
     thread = threading.Thread(
-        target=lock, kwargs={"fn": body, "key": key, "using": backend, "timeout_ms": 60_000},
+        target=lock,
+        kwargs={"fn": body, "key": key, "using": backend, "timeout_ms": 60_000},
         name="waiter",
     )
     thread.start()
@@ -629,3 +631,57 @@ def test_a_forked_child_gets_a_grant_channel_of_its_own(rh):
     assert result["channel"] not in (None, parents)
     assert int(result["fence"]) > int(held.fence)
     assert backend.wake_ups.process_channel == parents  # the parent's is unchanged
+
+
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
+def test_a_forked_child_inherits_no_watched_grant(rh):
+    """The grants a process watches are its own: a forked child starts with none (its
+    thread, which would check them, is the parent's), and watches nothing until its
+    own wake-ups connect. The parent's watch stays."""
+    backend = rh.redis
+    assert backend.wake_ups.want("x:fork-watch", wait=True)
+    backend.wake_ups.watch(backend.lock_key("x:fork-watch"), "some-ticket", after_s=60)
+
+    def child() -> dict[str, object]:
+        return {"watches": dict(backend.wake_ups._watches), "flag": backend._watch_flag()}
+
+    forked = Forked(child)
+    forked.go()
+    assert forked.result() == {"watches": {}, "flag": ""}
+    assert list(backend.wake_ups._watches) == [backend.lock_key("x:fork-watch")]
+    assert backend._watch_flag() == "1"
+
+
+def test_checking_a_grant_before_its_window_ends_watches_it_again_and_a_claimed_one_is_left(rh):
+    """check_grant on a grant whose window is not over yet (the server's clock decides)
+    frees nothing and watches it again for the rest of the window; on a grant its
+    waiter claimed, it does nothing and watches nothing."""
+    backend, key = rh.redis, "x:check-early"
+    lock_key = backend.lock_key(key)
+    mine = ticket()
+    listener = backend.wake_ups.listen(key, mine.id)  # connected: releases are watched
+    try:
+        held = backend.acquire(key, TTL)
+        assert backend.acquire(key, TTL, ticket=mine).queue_position == 0
+        assert backend.release(held.lock_id).ok
+        assert listener.wait(WAKE_S, None) is True
+        grant = listener.grant
+        assert grant is not None and grant.fence == 2
+        backend.wake_ups.settled(lock_key)  # this process is the grantee: drop the watch
+        backend.wake_ups.released(grant.lock_id)  # and send no claim: the test checks
+
+        backend.check_grant(lock_key, mine.id)
+        ((due, watched),) = backend.wake_ups._watches.values()
+        assert watched == mine.id
+        assert 0 < due - time.monotonic() <= (GRANT_WINDOW_MS + RECHECK_MARGIN_MS) / 1000
+        fields = backend.client.hmget(lock_key, "i", "G")
+        assert fields == [grant.lock_id.encode(), mine.id.encode()]  # still granted
+
+        backend.wake_ups.settled(lock_key)
+        assert backend.claim(grant)
+        backend.check_grant(lock_key, mine.id)
+        assert backend.wake_ups._watches == {}
+        assert backend.client.hget(lock_key, "i") == grant.lock_id.encode()
+        assert backend.release(grant.lock_id).ok
+    finally:
+        listener.close()
