@@ -24,7 +24,7 @@ from django_syncguard.backends.redis import wakeups as redis_wakeups
 from django_syncguard.backends.redis.wakeups import RedisWakeUps
 from django_syncguard.waiting import GRANT_WINDOW_MS, WaitTicket
 from django_syncguard.waiting.channels import Message
-from django_syncguard.waiting.tickets import RECHECK_MARGIN_MS
+from django_syncguard.waiting.tickets import QUEUE_AFTER_GRANT_MS, RECHECK_MARGIN_MS
 from tests.support import redis_wakeup_workers as workers
 from tests.support.faults import wait_until
 from tests.support.harness import RedisHarness
@@ -493,10 +493,12 @@ def test_a_waiter_killed_first_in_line_delays_the_key_by_its_grant_window(
 
 
 def test_a_grant_the_releaser_watches_is_settled_by_the_key_moving_on(rh, queued_threads):
-    """A process whose release granted a key checks the grant once its window is
-    over, unless it sees the key move on first: once it acquires the key again (so
-    the grant ended), no check is sent at all."""
-    backend, key = rh.redis, "x:settled"
+    """A process whose release granted a key (to a waiter of another backend, as of
+    another process) watches the grant, and holds its own next waiting attempt on the
+    key back for QUEUE_AFTER_GRANT_MS. Once it acquires the key again (so the grant
+    ended) the watch is settled: when it falls due, no check is sent at all."""
+    config = {"LOCATION": rh.url, "KEY_PREFIX": rh.prefix, "OPTIONS": {"FENCES": "counter"}}
+    backend, other, key = rh.redis, RedisBackend("other", config), "x:settled"
     assert backend.wake_ups.want("x:elsewhere", wait=True)
     held = backend.acquire(key, TTL)
     checks: list[tuple[str, str]] = []
@@ -510,21 +512,29 @@ def test_a_grant_the_releaser_watches_is_settled_by_the_key_moving_on(rh, queued
 
     thread = threading.Thread(
         target=lock,
-        kwargs={"fn": body, "key": key, "using": backend, "timeout_ms": 60_000},
+        kwargs={"fn": body, "key": key, "using": other, "timeout_ms": 60_000},
         name="waiter",
     )
-    thread.start()
-    assert queued_threads["waiter"].wait(WAKE_S)
-    assert backend.release(held.lock_id).ok
-    lock_key = backend.lock_key(key)
-    assert lock_key in backend.wake_ups._watches  # the grant to the thread is watched
-    leave.set()
-    thread.join(WAKE_S)
-    again = backend.acquire(key, TTL)
-    assert again.ok and again.fence == "000000000000003"
-    assert lock_key not in backend.wake_ups._watches  # settled: the key moved on
-    assert backend.release(again.lock_id).ok
-    assert checks == []
+    try:
+        thread.start()
+        assert queued_threads["waiter"].wait(WAKE_S)
+        assert backend.release(held.lock_id).ok
+        lock_key = backend.lock_key(key)
+        (ticket,) = [t for _, t in backend.wake_ups._watches.values()]
+        assert ticket  # the grant to the waiter is watched
+        assert 0 < backend.wake_ups.hold_back(key) <= QUEUE_AFTER_GRANT_MS / 1000
+        assert backend.wake_ups.hold_back("x:elsewhere") == 0
+        leave.set()
+        thread.join(WAKE_S)
+        again = backend.acquire(key, TTL)
+        assert again.ok and again.fence == "000000000000003"
+        assert backend.wake_ups._watches[lock_key][1] == ""  # settled: the key moved on
+        assert backend.wake_ups.hold_back(key) == 0
+        wait_until(lambda: lock_key not in backend.wake_ups._watches, WAKE_S, "the watch due")
+        assert backend.release(again.lock_id).ok
+        assert checks == []
+    finally:
+        other.close()
 
 
 def test_a_grant_is_claimed_by_its_process_and_then_cannot_lapse(rh, queued_threads):
@@ -680,7 +690,7 @@ def test_checking_a_grant_before_its_window_ends_watches_it_again_and_a_claimed_
         backend.wake_ups.settled(lock_key)
         assert backend.claim(grant)
         backend.check_grant(lock_key, mine.id)
-        assert backend.wake_ups._watches == {}
+        assert [t for _, t in backend.wake_ups._watches.values() if t] == []  # none watched
         assert backend.client.hget(lock_key, "i") == grant.lock_id.encode()
         assert backend.release(grant.lock_id).ok
     finally:
