@@ -695,3 +695,32 @@ def test_checking_a_grant_before_its_window_ends_watches_it_again_and_a_claimed_
         assert backend.release(grant.lock_id).ok
     finally:
         listener.close()
+
+
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
+def test_a_forked_child_does_not_inherit_the_redis_backends_held_locks(rh):
+    """Threads of the parent held the backend's own locks at the fork (the names of
+    held locks, the cluster client's build, the slot tag table's build): the child's
+    are new, so its first use of each does not wait forever for a thread that does
+    not exist there."""
+    from django_syncguard.backends.redis import slots
+
+    backend = rh.redis
+    held = [backend._held_names._lock, backend.clients._building, slots._table_lock]
+    for lock_ in held:
+        lock_.acquire()
+    try:
+
+        def child() -> list[bool]:
+            news = [backend._held_names._lock, backend.clients._building, slots._table_lock]
+            backend._held_names.remember("some-id", "some-hash")
+            pairs = zip(news, held, strict=True)
+            fresh = [new is not old and not new.locked() for new, old in pairs]
+            return [*fresh, backend._held_names.get("some-id") == "some-hash"]
+
+        forked = Forked(child)
+        forked.go()
+        assert forked.result() == [True, True, True, True]
+    finally:
+        for lock_ in held:
+            lock_.release()
