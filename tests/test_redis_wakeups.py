@@ -22,8 +22,9 @@ from django_syncguard import current_lock, generate_lock_id, lock, signals
 from django_syncguard.backends.redis import RedisBackend
 from django_syncguard.backends.redis import wakeups as redis_wakeups
 from django_syncguard.backends.redis.wakeups import RedisWakeUps
-from django_syncguard.waiting import WaitTicket
+from django_syncguard.waiting import GRANT_WINDOW_MS, WaitTicket
 from django_syncguard.waiting.channels import Message
+from django_syncguard.waiting.tickets import QUEUE_AFTER_GRANT_MS, RECHECK_MARGIN_MS
 from tests.support import redis_wakeup_workers as workers
 from tests.support.faults import wait_until
 from tests.support.harness import RedisHarness
@@ -492,10 +493,12 @@ def test_a_waiter_killed_first_in_line_delays_the_key_by_its_grant_window(
 
 
 def test_a_grant_the_releaser_watches_is_settled_by_the_key_moving_on(rh, queued_threads):
-    """A process whose release granted a key checks the grant once its window is
-    over, unless it sees the key move on first: once it acquires the key again (so
-    the grant ended), no check is sent at all."""
-    backend, key = rh.redis, "x:settled"
+    """A process whose release granted a key (to a waiter of another backend, as of
+    another process) watches the grant, and holds its own next waiting attempt on the
+    key back for QUEUE_AFTER_GRANT_MS. Once it acquires the key again (so the grant
+    ended) the watch is settled: when it falls due, no check is sent at all."""
+    config = {"LOCATION": rh.url, "KEY_PREFIX": rh.prefix, "OPTIONS": {"FENCES": "counter"}}
+    backend, other, key = rh.redis, RedisBackend("other", config), "x:settled"
     assert backend.wake_ups.want("x:elsewhere", wait=True)
     held = backend.acquire(key, TTL)
     checks: list[tuple[str, str]] = []
@@ -508,21 +511,30 @@ def test_a_grant_the_releaser_watches_is_settled_by_the_key_moving_on(rh, queued
         assert leave.wait(WAKE_S)
 
     thread = threading.Thread(
-        target=lock, kwargs={"fn": body, "key": key, "using": backend, "timeout_ms": 60_000},
+        target=lock,
+        kwargs={"fn": body, "key": key, "using": other, "timeout_ms": 60_000},
         name="waiter",
     )
-    thread.start()
-    assert queued_threads["waiter"].wait(WAKE_S)
-    assert backend.release(held.lock_id).ok
-    lock_key = backend.lock_key(key)
-    assert lock_key in backend.wake_ups._watches  # the grant to the thread is watched
-    leave.set()
-    thread.join(WAKE_S)
-    again = backend.acquire(key, TTL)
-    assert again.ok and again.fence == "000000000000003"
-    assert lock_key not in backend.wake_ups._watches  # settled: the key moved on
-    assert backend.release(again.lock_id).ok
-    assert checks == []
+    try:
+        thread.start()
+        assert queued_threads["waiter"].wait(WAKE_S)
+        assert backend.release(held.lock_id).ok
+        lock_key = backend.lock_key(key)
+        (ticket,) = [t for _, t in backend.wake_ups._watches.values()]
+        assert ticket  # the grant to the waiter is watched
+        assert 0 < backend.wake_ups.hold_back(key) <= QUEUE_AFTER_GRANT_MS / 1000
+        assert backend.wake_ups.hold_back("x:elsewhere") == 0
+        leave.set()
+        thread.join(WAKE_S)
+        again = backend.acquire(key, TTL)
+        assert again.ok and again.fence == "000000000000003"
+        assert backend.wake_ups._watches[lock_key][1] == ""  # settled: the key moved on
+        assert backend.wake_ups.hold_back(key) == 0
+        wait_until(lambda: lock_key not in backend.wake_ups._watches, WAKE_S, "the watch due")
+        assert backend.release(again.lock_id).ok
+        assert checks == []
+    finally:
+        other.close()
 
 
 def test_a_grant_is_claimed_by_its_process_and_then_cannot_lapse(rh, queued_threads):
@@ -629,3 +641,86 @@ def test_a_forked_child_gets_a_grant_channel_of_its_own(rh):
     assert result["channel"] not in (None, parents)
     assert int(result["fence"]) > int(held.fence)
     assert backend.wake_ups.process_channel == parents  # the parent's is unchanged
+
+
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
+def test_a_forked_child_inherits_no_watched_grant(rh):
+    """The grants a process watches are its own: a forked child starts with none (its
+    thread, which would check them, is the parent's), and watches nothing until its
+    own wake-ups connect. The parent's watch stays."""
+    backend = rh.redis
+    assert backend.wake_ups.want("x:fork-watch", wait=True)
+    backend.wake_ups.watch(backend.lock_key("x:fork-watch"), "some-ticket", after_s=60)
+
+    def child() -> dict[str, object]:
+        return {"watches": dict(backend.wake_ups._watches), "flag": backend._watch_flag()}
+
+    forked = Forked(child)
+    forked.go()
+    assert forked.result() == {"watches": {}, "flag": ""}
+    assert list(backend.wake_ups._watches) == [backend.lock_key("x:fork-watch")]
+    assert backend._watch_flag() == "1"
+
+
+def test_checking_a_grant_before_its_window_ends_watches_it_again_and_a_claimed_one_is_left(rh):
+    """check_grant on a grant whose window is not over yet (the server's clock decides)
+    frees nothing and watches it again for the rest of the window; on a grant its
+    waiter claimed, it does nothing and watches nothing."""
+    backend, key = rh.redis, "x:check-early"
+    lock_key = backend.lock_key(key)
+    mine = ticket()
+    listener = backend.wake_ups.listen(key, mine.id)  # connected: releases are watched
+    try:
+        held = backend.acquire(key, TTL)
+        assert backend.acquire(key, TTL, ticket=mine).queue_position == 0
+        assert backend.release(held.lock_id).ok
+        assert listener.wait(WAKE_S, None) is True
+        grant = listener.grant
+        assert grant is not None and grant.fence == 2
+        backend.wake_ups.settled(lock_key)  # this process is the grantee: drop the watch
+        backend.wake_ups.released(grant.lock_id)  # and send no claim: the test checks
+
+        backend.check_grant(lock_key, mine.id)
+        ((due, watched),) = backend.wake_ups._watches.values()
+        assert watched == mine.id
+        assert 0 < due - time.monotonic() <= (GRANT_WINDOW_MS + RECHECK_MARGIN_MS) / 1000
+        fields = backend.client.hmget(lock_key, "i", "G")
+        assert fields == [grant.lock_id.encode(), mine.id.encode()]  # still granted
+
+        backend.wake_ups.settled(lock_key)
+        assert backend.claim(grant)
+        backend.check_grant(lock_key, mine.id)
+        assert [t for _, t in backend.wake_ups._watches.values() if t] == []  # none watched
+        assert backend.client.hget(lock_key, "i") == grant.lock_id.encode()
+        assert backend.release(grant.lock_id).ok
+    finally:
+        listener.close()
+
+
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
+def test_a_forked_child_does_not_inherit_the_redis_backends_held_locks(rh):
+    """Threads of the parent held the backend's own locks at the fork (the names of
+    held locks, the cluster client's build, the slot tag table's build): the child's
+    are new, so its first use of each does not wait forever for a thread that does
+    not exist there."""
+    from django_syncguard.backends.redis import slots
+
+    backend = rh.redis
+    held = [backend._held_names._lock, backend.clients._building, slots._table_lock]
+    for lock_ in held:
+        lock_.acquire()
+    try:
+
+        def child() -> list[bool]:
+            news = [backend._held_names._lock, backend.clients._building, slots._table_lock]
+            backend._held_names.remember("some-id", "some-hash")
+            pairs = zip(news, held, strict=True)
+            fresh = [new is not old and not new.locked() for new, old in pairs]
+            return [*fresh, backend._held_names.get("some-id") == "some-hash"]
+
+        forked = Forked(child)
+        forked.go()
+        assert forked.result() == [True, True, True, True]
+    finally:
+        for lock_ in held:
+            lock_.release()

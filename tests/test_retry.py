@@ -215,6 +215,9 @@ class SilentChannel:
     def ready(self, key):
         return False
 
+    def hold_back(self, key):
+        return 0.0  # this process granted nothing
+
     def listen(self, key, ticket_id):
         return self
 

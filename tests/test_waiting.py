@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import random
 import threading
+import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -25,6 +27,7 @@ from django_syncguard import (
     signals,
 )
 from django_syncguard.keys import display_hash
+from django_syncguard.results import AcquireResult
 from django_syncguard.waiting import (
     CHECK_IN_MS,
     HEAD_POLL_MS,
@@ -427,3 +430,48 @@ def test_early_polls_of_the_first_waiter_do_not_use_up_max_retries(mem, no_check
         signals.lock_contended.disconnect(receiver)
     backend.release(held.lock_id)
     assert finished(*waiter) == "ran"
+
+
+class _HoldingBack(WakeUps):
+    """A registry whose process has just granted key "k" away (see hold_back)."""
+
+    def hold_back(self, key: str) -> float:
+        return 0.0007 if key == "k" else 0.0
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_a_session_right_after_a_grant_of_its_key_holds_its_first_attempt_back(
+    monkeypatch, asynchronous
+):
+    """The registry says this process granted the key away a moment ago: the
+    session's first attempt waits what it says (the grantee's process is waking up,
+    and this attempt can only queue); the attempts after it do not wait again."""
+    from django_syncguard.waiting import session as session_module
+
+    pauses: list[float] = []
+
+    async def asleep(seconds: float) -> None:
+        pauses.append(seconds)
+
+    # The session module's own names only: other threads keep the real sleep.
+    clock = SimpleNamespace(sleep=pauses.append, monotonic=time.monotonic)
+    monkeypatch.setattr(session_module, "time", clock)
+    monkeypatch.setattr(session_module, "asyncio", SimpleNamespace(sleep=asleep))
+    session = WaitSession(_HoldingBack("test"), "k")
+    held = AcquireResult.locked(0)
+
+    def request(ticket):
+        return held
+
+    async def arequest(ticket):
+        return held
+
+    for _ in range(3):
+        if asynchronous:
+            assert asyncio.run(session.aattempt(arequest)) is held
+        else:
+            assert session.attempt(request) is held
+    assert pauses == [0.0007]
+    other = WaitSession(_HoldingBack("test"), "elsewhere")
+    assert other.attempt(request) is held
+    assert pauses == [0.0007]  # another key: no wait

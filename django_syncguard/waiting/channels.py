@@ -308,12 +308,28 @@ class ChannelWorker(WakeUps):
         and is connected; otherwise the release tells the next waiter instead)."""
         return self._state is State.CONNECTED
 
+    def hold_back(self, key: str) -> float:
+        if not self._watches:
+            return 0.0
+        watched = self._watches.get(self.transport.channel(key))
+        if watched is None or not watched[1]:
+            return 0.0
+        # A watch made by a fresh grant is due WATCH_AFTER_S after it (a re-check of
+        # an old grant is due sooner, so it holds nothing back).
+        made = watched[0] - WATCH_AFTER_S
+        return max(0.0, made + tickets.QUEUE_AFTER_GRANT_MS / 1000 - time.monotonic())
+
     def settled(self, channel: str) -> None:
         """This process acquired (or was granted) the key of ``channel``: any grant it
-        made of that key earlier has ended (the key could not be had otherwise)."""
+        made of that key earlier has ended (the key could not be had otherwise). The
+        entry stays, emptied, until it is due: the thread's sleep is already bounded
+        by it, so the next grant of the key (due later) needs no poke, which would wake
+        this process's thread at the moment the grantee needs the CPU."""
         if channel in self._watches:
             with self._claims_lock:
-                self._watches.pop(channel, None)
+                watched = self._watches.get(channel)
+                if watched is not None:
+                    self._watches[channel] = (watched[0], "")
 
     def _claim_due(self) -> float:
         """Claim the grants whose time has come, and check the grants this process
@@ -331,7 +347,8 @@ class ChannelWorker(WakeUps):
                 if at > now:
                     break
                 del self._watches[channel]
-                checks.append((channel, ticket_id))
+                if ticket_id:  # else settled
+                    checks.append((channel, ticket_id))
             next_s = min(
                 next(iter(self._claims.values()))[0] - now if self._claims else MAX_SELECT_S,
                 next(iter(self._watches.values()))[0] - now if self._watches else MAX_SELECT_S,

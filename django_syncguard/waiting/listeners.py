@@ -245,6 +245,12 @@ class WakeUps:
         if listener is not None:
             listener.nudge(_recheck_at())
 
+    def hold_back(self, key: str) -> float:
+        """Seconds a waiting acquisition of ``key`` starting now waits before its first
+        attempt (see :data:`~.tickets.QUEUE_AFTER_GRANT_MS`): 0 unless this process
+        has just granted the key (registries that watch their grants)."""
+        return 0.0
+
     def claim(self, key: str, grant: Grant) -> None:
         """Tell the server that the waiter a grant of ``key`` reached is alive, so the
         grant does not lapse (registries of backends that grant)."""

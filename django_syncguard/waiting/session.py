@@ -23,10 +23,15 @@ retry), and wakes earlier for an attempt that counts for nothing:
 
 A release that grants the key to this waiter's ticket wakes it with the
 :class:`~.tickets.Grant`: the next attempt is that grant, without a request.
+
+A session that starts right after a release of this process granted its key to a
+waiter makes its first attempt :data:`~.tickets.QUEUE_AFTER_GRANT_MS` late: that attempt
+can only queue, and the grantee's process is waking up to enter at that moment.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Awaitable, Callable
 
@@ -54,12 +59,24 @@ class WaitSession:
         self.clock = clock
         self.queued = False  # an attempt with the ticket met contention
         self._last_request = clock()
+        self._started = False  # the first attempt was made
+
+    def _hold_back(self) -> float:
+        """Before the first attempt: how long to wait first (0 but right after this
+        process granted the key away; :data:`~.tickets.QUEUE_AFTER_GRANT_MS`)."""
+        if self._started:
+            return 0.0
+        self._started = True
+        return self.wake_ups.hold_back(self.key)
 
     def attempt(self, request: Callable[[WaitTicket | None], AcquireResult]) -> AcquireResult:
         """The next attempt, through ``request(ticket)`` (see the module docstring)."""
         granted = self._granted()
         if granted is not None:
             return granted
+        pause = self._hold_back()
+        if pause > 0:
+            time.sleep(pause)  # at most QUEUE_AFTER_GRANT_MS: not worth a cancel check
         if self.listener is None and self.wake_ups.ready(self.key):
             self.listener = self._listen()
         if self.listener is None:
@@ -78,6 +95,9 @@ class WaitSession:
         granted = self._granted()
         if granted is not None:
             return granted
+        pause = self._hold_back()
+        if pause > 0:
+            await asyncio.sleep(pause)
         if self.listener is None and self.wake_ups.ready(self.key):
             # Ready means no I/O: no need for a worker thread.
             self.listener = self._listen()

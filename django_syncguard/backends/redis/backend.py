@@ -638,6 +638,12 @@ class RedisBackend(BaseLockBackend):
             return False
         return int(self._call("claim", keys, [grant.lock_id, TIME_TOLERANCE_MS])[0]) == 1
 
+    def _forget_clients_after_fork(self) -> None:
+        # redis-py's pools notice the fork themselves (they compare the PID); the
+        # locks of this backend's own that a parent thread may have held are replaced.
+        self._held_names.reset_after_fork()
+        self.clients.reset_after_fork()
+
     def _make_wake_ups(self) -> WakeUps:
         from .wakeups import RedisWakeUps
 
@@ -1138,6 +1144,11 @@ class _HeldNames:
     def forget(self, lock_id: str) -> None:
         with self._lock:
             self._names.pop(lock_id, None)
+
+    def reset_after_fork(self) -> None:
+        """In a forked child: a new lock (a parent thread may have held this one at
+        the fork). The names stay: hints the scripts check, whichever process asks."""
+        self._lock = threading.Lock()
 
 
 def _parse_idle_cursor(cursor: str | None) -> tuple[tuple[int, int] | None, list[str]]:

@@ -209,6 +209,11 @@ class RedisClients:
             weakref.WeakKeyDictionary()
         )
 
+    def reset_after_fork(self) -> None:
+        """In a forked child (the backend's reset calls it): a new build lock, since a
+        parent thread may have held this one at the fork."""
+        self._building = threading.Lock()
+
     @property
     def topology(self) -> str:
         """``"server"`` (one server at ``LOCATION``), ``"sentinel"`` or ``"cluster"``."""

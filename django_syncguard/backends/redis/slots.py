@@ -19,6 +19,8 @@ import threading
 import time
 from typing import Final
 
+from ...lifecycle import track
+
 #: Redis Cluster's number of hash slots.
 SLOTS: Final = 16384
 _B64: Final = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_"
@@ -28,6 +30,19 @@ _TAG_ALPHABET: Final = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRST
 
 _table: list[str] | None = None
 _table_lock = threading.Lock()
+
+
+class _TableLockReset:
+    """Replaces :data:`_table_lock` in a forked child: a parent thread may have been
+    building the table (holding the lock) at the fork."""
+
+    def reset_after_fork(self) -> None:
+        global _table_lock
+        _table_lock = threading.Lock()
+
+
+_table_lock_reset = _TableLockReset()
+track(_table_lock_reset)
 #: Seconds the last build of the tag table took (reported by the tests and the spec).
 table_build_s: float | None = None
 
