@@ -50,6 +50,7 @@ from django_syncguard.waiting import channels as channels_module
 from django_syncguard.waiting import session as session_module
 from django_syncguard.waiting import tickets as tickets_module
 from django_syncguard.waiting.channels import Message
+from django_syncguard.waiting.tickets import QUEUE_AFTER_GRANT_MS
 from tests.support import wakeup_workers
 from tests.support.faults import wait_until
 from tests.support.harness import SqliteHarness
@@ -691,6 +692,58 @@ def test_a_grant_wakes_only_the_grantee_s_process(pg, other):
         theirs.close()
     finally:
         third.close()
+
+
+@on_postgres
+def test_a_grant_the_releaser_watches_is_settled_by_the_key_moving_on(pg, other):
+    """A process whose release granted a key (to a waiter of another backend, as of
+    another process) watches the grant under the key's channel, and holds its own
+    next waiting attempt on the key back for QUEUE_AFTER_GRANT_MS. Once it acquires
+    the key again (so the grant ended) the watch is settled: when it falls due, no
+    check is sent at all."""
+    key = "wake:settled"
+    assert pg.wake_ups.want("wake:elsewhere", wait=True)  # the releaser watches
+    held = pg.acquire(key, TTL)
+    checks: list[tuple[Any, ...]] = []
+    check = pg.wake_ups._check_grant
+    assert check is not None
+    pg.wake_ups._check_grant = lambda *args: (checks.append(args), check(*args))[1]
+    queued, leave = threading.Event(), threading.Event()
+
+    def contended(sender: Any, alias: str, **kwargs: Any) -> None:
+        if alias == other.alias:
+            queued.set()
+
+    def body() -> None:
+        assert leave.wait(WAKE_S)
+
+    signals.lock_contended.connect(contended, weak=False)
+    thread = threading.Thread(
+        target=lock, args=(body,), kwargs={"key": key, "using": other, "timeout_ms": 60_000}
+    )
+    try:
+        thread.start()
+        assert queued.wait(WAKE_S)
+        assert pg.release(held.lock_id).ok
+        channel = channel_name(pg.storage_key(key))
+        (ticket,) = [t for _, t in pg.wake_ups._watches.values()]
+        assert ticket  # the grant to the waiter is watched
+        assert pg.wake_ups._watched_keys[channel] == pg.storage_key(key)
+        assert 0 < pg.wake_ups.hold_back(key) <= QUEUE_AFTER_GRANT_MS / 1000
+        assert pg.wake_ups.hold_back("wake:elsewhere") == 0
+        leave.set()
+        thread.join(WAKE_S)
+        again = pg.acquire(key, TTL)
+        assert again.ok and again.fence == "000000000000003"
+        assert pg.wake_ups._watches[channel][1] == ""  # settled: the key moved on
+        assert pg.wake_ups.hold_back(key) == 0
+        wait_until(lambda: channel not in pg.wake_ups._watches, WAKE_S, "the watch due")
+        assert pg.release(again.lock_id).ok
+        assert checks == []
+    finally:
+        leave.set()
+        signals.lock_contended.disconnect(contended)
+        thread.join(WAKE_S)
 
 
 @on_postgres
