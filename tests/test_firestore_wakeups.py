@@ -494,6 +494,23 @@ async def test_an_async_waiter_is_woken_by_a_release_in_another_process(fh, hold
     assert await asyncio.to_thread(holder.recv) is True
 
 
+async def test_an_async_release_grants_and_an_async_withdrawal_gives_it_back(fh):
+    backend = fh.firestore
+    held = await backend.aacquire("async:grant", TTL)
+    a, b = ticket(), ticket()
+    assert (await backend.aacquire("async:grant", TTL, ticket=a)).queue_position == 0
+    assert (await backend.aacquire("async:grant", TTL, ticket=b)).queue_position == 1
+    assert (await backend.arelease(held.lock_id)).ok is True
+    assert lock_doc(fh, "async:grant")["grantTicket"] == a.id
+    await backend.awithdraw("async:grant", a.id)  # a gives it back: granted on to b
+    doc = lock_doc(fh, "async:grant")
+    assert (doc["grantTicket"], doc["fence"]) == (b.id, "000000000000003")
+    got = await backend.aacquire("async:grant", TTL, ticket=b)  # crossed its grant
+    assert (got.ok, got.fence) == (True, "000000000000003")
+    assert (await backend.arelease(got.lock_id)).ok is True
+    assert lock_doc(fh, "async:grant") is None
+
+
 # -------------------------------------------------------------- watch lifecycle
 def test_a_key_stays_watched_a_while_after_its_last_waiter(fh, monkeypatch):
     monkeypatch.setattr(firestore_wakeups, "MAX_IDLE_WATCHES", 1)
