@@ -22,6 +22,7 @@ from django_syncguard import current_lock, generate_lock_id, lock
 from django_syncguard.backends.firestore import FirestoreBackend
 from django_syncguard.backends.firestore import wakeups as firestore_wakeups
 from django_syncguard.constants import TIME_TOLERANCE_MS
+from django_syncguard.results import AcquireResult
 from django_syncguard.signals import lock_contended
 from django_syncguard.waiting import GRANT_WINDOW_MS, PATIENCE_MS, Grant, WaitTicket
 from tests.support import workers
@@ -178,6 +179,25 @@ def test_a_release_grants_the_key_to_the_first_waiter_in_its_own_write(fh):
     backend.withdraw("granted", b.id)  # b gives its grant back: nobody waits
     assert lock_doc(fh, "granted") is None
     assert backend.acquire("granted", TTL).fence == "000000000000004"
+
+
+def test_an_attempt_that_finds_the_key_free_behind_a_waiter_grants_it_to_that_waiter(fh):
+    backend = fh.firestore
+    backend.acquire("noticed", TTL)
+    a, b = ticket(patience_ms=600_000), ticket(patience_ms=600_000)
+    assert backend.acquire("noticed", TTL, ticket=a).queue_position == 0
+    fh.advance(TTL + TIME_TOLERANCE_MS)  # the lease ran out; a has not noticed yet
+
+    # b arrives and notices: the key goes to a, and b queues behind it.
+    assert backend.acquire("noticed", TTL, ticket=b) == AcquireResult.locked(0)
+    doc = lock_doc(fh, "noticed")
+    assert (doc["grantTicket"], doc["fence"], set(doc["waiters"])) == (
+        a.id,
+        "000000000000002",
+        {b.id},
+    )
+    assert backend.acquire("noticed", TTL).ok is False  # held by the grant
+    assert backend.acquire("noticed", TTL, ticket=a).fence == "000000000000002"
 
 
 def test_a_grant_reaches_the_waiter_in_another_process_which_claims_it(fh, holder):

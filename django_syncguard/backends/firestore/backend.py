@@ -341,6 +341,14 @@ class FirestoreBackend(BatchedCleanup, BaseLockBackend):
             return self._plan_crossed(batch, current, data)
         queue = queue_of(data)
         arrivals = int(data.get(ARRIVALS, 0))
+        grant_first = False
+        if free and queue:
+            # Free, and another waiter is first: a lease ran out, or a grant lapsed,
+            # and this attempt is the first to notice. It grants the key to that
+            # waiter (in its own batch), and then meets the key held.
+            first = self._grantable_head(data, dict(queue), now, counter, by_path[floor_ref.path])
+            grant_first = first is not None and (ticket is None or first[0] != ticket.id)
+            free = not grant_first
         if queue or (ticket is not None and not free):
             # Someone waits, or the caller will: the queue rule decides (waiting.py).
             before = queue.get(ticket.id) if ticket is not None else None
@@ -352,6 +360,11 @@ class FirestoreBackend(BatchedCleanup, BaseLockBackend):
                 arrivals += 1  # a new place was handed out
                 if self.grants:  # with what a release would grant the key with
                     requests = {ticket.id: self._request(lock_id, ttl_ms)}
+            if not take and grant_first:
+                check_cancel(cancel, {"key": key})  # after reads, before writes
+                self._plan_grant(batch, data, queue, snaps, refs, arrivals, requests)
+                behind = None if position is None else position - 1  # the head has it
+                return _Plan(AcquireResult.locked(behind), write=True, crossed=True)
             if not take:
                 if ticket is None or not _renewal_due(before, queue[ticket.id], ticket, now):
                     return _Plan(AcquireResult.locked(position))
@@ -421,6 +434,8 @@ class FirestoreBackend(BatchedCleanup, BaseLockBackend):
         queue: Queue,
         snaps: list[Any],
         refs: _AcquireRefs,
+        arrivals: int | None = None,
+        requests: Mapping[str, Mapping[str, Any]] | None = None,
     ) -> bool:
         """The key of the lock document in ``snaps`` is free (or being freed by this
         batch): fill ``batch`` with the lock for the first live place of ``queue`` (its
@@ -428,6 +443,7 @@ class FirestoreBackend(BatchedCleanup, BaseLockBackend):
         a claim deadline; False (nothing written) when that place has no grant record,
         or its fence would pass the maximum (the waiter is only woken, and its own
         acquire reports that). ``queue`` has no lapsed places; ``now`` is the read's.
+        ``arrivals`` and ``requests``: an acquire's new place written with the grant.
 
         The fence is chosen and guarded as the acquire's: the counter's guard (and the
         lock document's) fail the batch if either changed since the read."""
@@ -435,15 +451,10 @@ class FirestoreBackend(BatchedCleanup, BaseLockBackend):
         lock_ref, fence_ref, floor_ref = refs
         current, counter = by_path[lock_ref.path], by_path[fence_ref.path]
         now = server_ms(current.read_time)
-        head = queue_head(queue, now) if self.grants else None
-        request = request_of(data, head) if head is not None else None
-        if head is None or request is None:
+        grantable = self._grantable_head(data, queue, now, counter, by_path[floor_ref.path])
+        if grantable is None:
             return False
-        previous = int(counter.get(COUNTER_FENCE)) if counter.exists else 0
-        clock = now if request.get("clock") else None
-        fence = next_fence(previous, _floor_of(by_path[floor_ref.path]), clock)
-        if fence > FENCE_MAX:
-            return False
+        head, request, fence = grantable
         del queue[head]
         ttl_ms, owner = int(request["ttlMs"]), request.get("owner")
         lease = now + ttl_ms
@@ -460,7 +471,13 @@ class FirestoreBackend(BatchedCleanup, BaseLockBackend):
             GRANT_TICKET: head,
             GRANT_EXPIRES_AT_MS: lease,
             PURGE_AT: purge_at(max(lease, last_until(queue) or 0)),
-            **queue_fields(data, queue, int(data.get(ARRIVALS, 0))),
+            **queue_fields(
+                data,
+                queue,
+                int(data.get(ARRIVALS, 0)) if arrivals is None else arrivals,
+                now,
+                requests,
+            ),
         }
         self._put(
             batch,
@@ -470,6 +487,20 @@ class FirestoreBackend(BatchedCleanup, BaseLockBackend):
         )
         batch.update(lock_ref, lock, **self._unchanged(current))
         return True
+
+    def _grantable_head(
+        self, data: Mapping[str, Any], queue: Queue, now: int, counter: Any, floor: Any
+    ) -> tuple[str, Mapping[str, Any], int] | None:
+        """The first live place of ``queue`` that a grant can go to: its ticket, its
+        grant record and the fence it would get; None without grants, without a
+        waiter, for a place without a record, or past the maximum fence."""
+        head = queue_head(queue, now) if self.grants else None
+        request = request_of(data, head) if head is not None else None
+        if head is None or request is None:
+            return None
+        previous = int(counter.get(COUNTER_FENCE)) if counter.exists else 0
+        fence = next_fence(previous, _floor_of(floor), now if request.get("clock") else None)
+        return None if fence > FENCE_MAX else (head, request, fence)
 
     # If a guard fails, the lock or its counter changed between our read and our
     # write, and nothing was written. Usually another client took the lock: the next
@@ -518,7 +549,7 @@ class FirestoreBackend(BatchedCleanup, BaseLockBackend):
         return plan.result
 
     def _decided(self, plan: _Plan, refs: _AcquireRefs) -> AcquireResult:
-        if plan.crossed:  # a granted lock: its release reads its document directly
+        if plan.crossed and plan.result.ok:  # granted: its release reads the document
             assert plan.result.lock_id is not None
             self._held.remember_path(plan.result.lock_id, refs[0].path)
         return plan.result
@@ -1242,7 +1273,10 @@ class _Plan:
     result: AcquireResult
     write: bool = False
     waiting_until: int | None = None
-    crossed: bool = False  # the result is a lock granted to the caller's ticket
+    # A grant decided it: the result is the lock granted to the caller's ticket, or
+    # ``locked`` after this attempt granted the key to the first waiter. Either way
+    # the batch takes no lock id of this call.
+    crossed: bool = False
 
 
 def _renewal_due(
