@@ -21,11 +21,14 @@ import pytest
 from django_syncguard import current_lock, generate_lock_id, lock
 from django_syncguard.backends.firestore import FirestoreBackend
 from django_syncguard.backends.firestore import wakeups as firestore_wakeups
+from django_syncguard.constants import TIME_TOLERANCE_MS
+from django_syncguard.results import AcquireResult
 from django_syncguard.signals import lock_contended
-from django_syncguard.waiting import PATIENCE_MS, WaitTicket
+from django_syncguard.waiting import GRANT_WINDOW_MS, PATIENCE_MS, Grant, WaitTicket
 from tests.support import workers
+from tests.support.faults import wait_until
 from tests.support.harness import FirestoreHarness
-from tests.support.processes import Children
+from tests.support.processes import Children, assert_delayed_by_the_grant_window, sigkill
 from tests.support.proxy import FaultProxy
 
 TTL = 60_000
@@ -73,6 +76,15 @@ def holder(firestore_emulator, fh) -> Iterator[Any]:
         children.terminate()
 
 
+def as_older_waiters(fh: FirestoreHarness, key: str) -> None:
+    """Drop the grant records of ``key``'s places, as waiters of a version before
+    grants leave none: a release then only wakes them."""
+    ref = fh.firestore._refs(key)[0]
+    waiters = ref.get().to_dict()["waiters"]
+    stripped = {t: {f: v for f, v in e.items() if f != "request"} for t, e in waiters.items()}
+    ref.update({"waiters": stripped})
+
+
 def held_elsewhere(holder: Any, key: str) -> str:
     holder.send(("acquire", key, TTL))
     ok, lock_id, _ = holder.recv()
@@ -90,6 +102,7 @@ def test_a_release_keeps_the_waiters_in_a_document_without_a_lock(fh):
     doc = lock_doc(fh, "layout")
     assert doc["arrivals"] == 2
     assert {t: e["arrival"] for t, e in doc["waiters"].items()} == {a.id: 1, b.id: 2}
+    as_older_waiters(fh, "layout")  # else the release grants the key to a (below)
 
     assert backend.release(held.lock_id).ok is True
 
@@ -116,12 +129,146 @@ def test_a_document_whose_waiters_all_lapsed_is_cleaned_up(fh):
     backend = fh.firestore
     held = backend.acquire("lapsed", TTL)
     assert not backend.acquire("lapsed", TTL, ticket=ticket(patience_ms=1_000)).ok
+    as_older_waiters(fh, "lapsed")  # a waiter-only document, not a grant
     assert backend.release(held.lock_id).ok is True
     assert lock_doc(fh, "lapsed") is not None
     fh.advance(1_000 + 2_000 + 1)  # past the place's end and the cleanup guard
     assert list(backend.delete_expired()) == [1]
     assert lock_doc(fh, "lapsed") is None
     assert backend.acquire("lapsed", TTL).fence == "000000000000002"
+
+
+def test_a_release_grants_the_key_to_the_first_waiter_in_its_own_write(fh):
+    backend = fh.firestore
+    held = backend.acquire("granted", TTL)
+    a, b = ticket(), ticket()
+    assert backend.acquire("granted", TTL, ticket=a).queue_position == 0
+    assert backend.acquire("granted", TTL, ticket=b).queue_position == 1
+    request = lock_doc(fh, "granted")["waiters"][a.id]["request"]
+    assert (request["ttlMs"], request["clock"]) == (TTL, False)
+
+    assert backend.release(held.lock_id).ok is True
+
+    doc = lock_doc(fh, "granted")
+    assert (doc["lockId"], doc["fence"], doc["grantTicket"]) == (
+        request["lockId"],
+        "000000000000002",
+        a.id,
+    )
+    assert set(doc["waiters"]) == {b.id}  # a left the queue with its grant
+    assert doc["grantExpiresAtMs"] == doc["acquiredAtMs"] + TTL
+    # Until claimed, the stored expiry ends the lock at the claim deadline for readers.
+    assert doc["expiresAtMs"] == doc["acquiredAtMs"] + GRANT_WINDOW_MS - TIME_TOLERANCE_MS
+    assert fh.firestore._refs("granted")[1].get().get("fence") == "000000000000002"
+    assert backend.lookup(key="granted").fence == "000000000000002"  # held for readers
+
+    # a's next attempt crossed the grant: it is the granted lock, and it claims it.
+    got = backend.acquire("granted", TTL, ticket=a)
+    assert (got.ok, got.lock_id, got.fence, got.expires_at_ms) == (
+        True,
+        request["lockId"],
+        "000000000000002",
+        doc["grantExpiresAtMs"],
+    )
+    doc = lock_doc(fh, "granted")
+    assert "grantExpiresAtMs" not in doc and doc["expiresAtMs"] == got.expires_at_ms
+
+    assert backend.release(got.lock_id).ok is True  # granted on to b
+    doc = lock_doc(fh, "granted")
+    assert (doc["fence"], doc["grantTicket"], "waiters" in doc) == ("000000000000003", b.id, False)
+    backend.withdraw("granted", b.id)  # b gives its grant back: nobody waits
+    assert lock_doc(fh, "granted") is None
+    assert backend.acquire("granted", TTL).fence == "000000000000004"
+
+
+def test_an_attempt_that_finds_the_key_free_behind_a_waiter_grants_it_to_that_waiter(fh):
+    backend = fh.firestore
+    backend.acquire("noticed", TTL)
+    a, b = ticket(patience_ms=600_000), ticket(patience_ms=600_000)
+    assert backend.acquire("noticed", TTL, ticket=a).queue_position == 0
+    fh.advance(TTL + TIME_TOLERANCE_MS)  # the lease ran out; a has not noticed yet
+
+    # b arrives and notices: the key goes to a, and b queues behind it.
+    assert backend.acquire("noticed", TTL, ticket=b) == AcquireResult.locked(0)
+    doc = lock_doc(fh, "noticed")
+    assert (doc["grantTicket"], doc["fence"], set(doc["waiters"])) == (
+        a.id,
+        "000000000000002",
+        {b.id},
+    )
+    assert backend.acquire("noticed", TTL).ok is False  # held by the grant
+    assert backend.acquire("noticed", TTL, ticket=a).fence == "000000000000002"
+
+
+def test_a_grant_reaches_the_waiter_in_another_process_which_claims_it(fh, holder):
+    backend = fh.firestore
+    lock_id = held_elsewhere(holder, "claimed")
+    t = ticket()
+    listener = backend.wake_ups.listen("claimed", t.id)
+    try:
+        assert listener.healthy is True  # the watch is confirmed
+        assert backend.acquire("claimed", TTL, ticket=t).queue_position == 0
+        holder.send(("release", lock_id, 0))
+        assert holder.recv() is True
+        assert listener.wait(WAKE_S, None) is True
+        grant = listener.grant
+        assert isinstance(grant, Grant) and grant.fence == 2
+        doc = lock_doc(fh, "claimed")
+        assert (doc["lockId"], doc["grantExpiresAtMs"]) == (grant.lock_id, grant.expires_at_ms)
+        # The wake-ups' thread claims it a quarter of the window later.
+        wait_until(lambda: "grantExpiresAtMs" not in lock_doc(fh, "claimed"), WAKE_S, "the claim")
+        assert lock_doc(fh, "claimed")["expiresAtMs"] == grant.expires_at_ms
+        assert backend.release(grant.lock_id).ok is True
+        assert lock_doc(fh, "claimed") is None
+    finally:
+        listener.close()
+
+
+@pytest.mark.slow
+def test_a_waiter_killed_first_in_line_delays_the_key_by_its_grant_window(firestore_emulator, fh):
+    """A process queued first is killed (SIGKILL); the release grants it the key
+    anyway (its place is still live). Nobody claims the grant: it lapses at its claim
+    deadline, and the next waiter (a thread here, on another backend object), whose
+    stream saw the grant go by, tries again just after and takes the key. The delay
+    is the window, not the dead ticket's patience nor a TTL."""
+    backend, second = fh.firestore, elsewhere(fh)
+    held = backend.acquire("killed", TTL)
+    children = Children()
+    results, first_queued = children.ctx.Queue(), children.ctx.Event()
+    entered: list[tuple[float, str]] = []
+
+    def run() -> None:
+        def body() -> None:
+            entered.append((time.monotonic(), current_lock().fence))
+
+        lock(body, key="killed", using=second, ttl_ms=TTL, timeout_ms=60_000)
+
+    queued = Queued()
+    try:
+        children.start(
+            workers.firestore_fair_waiter,
+            firestore_emulator.host,
+            fh.settings_entry["OPTIONS"],
+            "killed",
+            "dead",
+            first_queued,
+            results,
+        )
+        assert first_queued.wait(120)
+        thread = threading.Thread(target=run)
+        thread.start()
+        assert queued.event.wait(WAKE_S)
+        wait_until(lambda: second.wake_ups.ready("killed"), WAKE_S, "the key is watched")
+        sigkill(children.started[0])
+
+        released_at = time.monotonic()
+        assert backend.release(held.lock_id).ok is True
+        thread.join(WAKE_S)
+    finally:
+        queued.close()
+        children.terminate()
+        second.close()
+    assert_delayed_by_the_grant_window(entered, released_at)
 
 
 def test_a_waiter_polling_fast_does_not_write_at_every_attempt(fh):
@@ -365,6 +512,23 @@ async def test_an_async_waiter_is_woken_by_a_release_in_another_process(fh, hold
     finally:
         listener.close()
     assert await asyncio.to_thread(holder.recv) is True
+
+
+async def test_an_async_release_grants_and_an_async_withdrawal_gives_it_back(fh):
+    backend = fh.firestore
+    held = await backend.aacquire("async:grant", TTL)
+    a, b = ticket(), ticket()
+    assert (await backend.aacquire("async:grant", TTL, ticket=a)).queue_position == 0
+    assert (await backend.aacquire("async:grant", TTL, ticket=b)).queue_position == 1
+    assert (await backend.arelease(held.lock_id)).ok is True
+    assert lock_doc(fh, "async:grant")["grantTicket"] == a.id
+    await backend.awithdraw("async:grant", a.id)  # a gives it back: granted on to b
+    doc = lock_doc(fh, "async:grant")
+    assert (doc["grantTicket"], doc["fence"]) == (b.id, "000000000000003")
+    got = await backend.aacquire("async:grant", TTL, ticket=b)  # crossed its grant
+    assert (got.ok, got.fence) == (True, "000000000000003")
+    assert (await backend.arelease(got.lock_id)).ok is True
+    assert lock_doc(fh, "async:grant") is None
 
 
 # -------------------------------------------------------------- watch lifecycle

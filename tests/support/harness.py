@@ -261,7 +261,9 @@ class FirestoreHarness(Harness):
         # Lock fields, and the waiters' places (a waiter-only document has no lock).
         for snap in self.firestore.client.collection(self.firestore.collection).stream():
             data = snap.to_dict()
-            aged = {f: data[f] - ms for f in ("expiresAtMs", "acquiredAtMs") if f in data}
+            # An unclaimed grant's lease too (its claim deadline is in expiresAtMs).
+            fields = ("expiresAtMs", "acquiredAtMs", "grantExpiresAtMs")
+            aged = {f: data[f] - ms for f in fields if f in data}
             if data.get("waiters"):
                 aged["waiters"] = {
                     ticket_id: {**entry, "liveUntilMs": entry["liveUntilMs"] - ms}

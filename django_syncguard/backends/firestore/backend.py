@@ -42,7 +42,8 @@ from ...liveness import is_live
 from ...orphans import note_maybe_written, note_sent
 from ...owners import QueueStats
 from ...results import AcquireResult, ExtendResult, LockPage, LockRecord, ReleaseResult
-from ...waiting import CHECK_IN_MS, WaitTicket, WakeUps, queue_admits, queue_head
+from ...waiting import CHECK_IN_MS, Grant, Queue, WaitTicket, WakeUps, queue_admits, queue_head
+from ...waiting.queues import unclaimed_expiry
 from ..base import BaseLockBackend, BatchedCleanup, mapping_option
 from .client import (
     FirestoreClients,
@@ -61,6 +62,8 @@ from .documents import (
     FENCE,
     FLOOR,
     FLOOR_ID,
+    GRANT_EXPIRES_AT_MS,
+    GRANT_TICKET,
     KEY,
     LOCK_ID,
     OWNER,
@@ -78,6 +81,7 @@ from .documents import (
     queue_of,
     queue_update,
     queued_since,
+    request_of,
     server_ms,
     vacated,
 )
@@ -165,6 +169,13 @@ class FirestoreBackend(BatchedCleanup, BaseLockBackend):
         self.clients = FirestoreClients(alias, self._client_options(), self.operation_timeout_ms)
         self._held = _Held()
 
+    @property
+    def grants(self) -> bool:
+        # A release (or a withdrawal) writes the lock for the first live waiter in its
+        # guarded batch; the waiter's Listen stream sees the document change and
+        # delivers the grant (decision 48). Only where waiters queue.
+        return self.wake_ups_enabled
+
     # --------------------------------------------------------------- clients
     def _client_options(self) -> dict[str, Any]:
         kwargs = dict(self._client_kwargs)
@@ -208,6 +219,14 @@ class FirestoreBackend(BatchedCleanup, BaseLockBackend):
         """What an acquire reads in its one ``get_all``: the key's lock document, its
         fence counter, and the alias's fence floor."""
         return (*self._refs(key, client), self._floor_ref(client))
+
+    def _refs_at(self, path: str, client: Any = None) -> _AcquireRefs:
+        """The acquire's three documents for the lock document at ``path`` (what a
+        release that may grant reads)."""
+        client = client or self.client
+        lock_ref = client.document(path)
+        counter_ref = self._fences(client).document(counter_id(lock_ref.id))
+        return lock_ref, counter_ref, self._floor_ref(client)
 
     def _by_lock_id(self, lock_id: str, client: Any = None) -> Any:
         # No limit: duplicates must be seen to be handled (specs/backends/firestore.md,
@@ -318,21 +337,39 @@ class FirestoreBackend(BatchedCleanup, BaseLockBackend):
                 ok=True, lock_id=lock_id, expires_at_ms=int(data[EXPIRES_AT_MS]), fence=data[FENCE]
             )
             return _Plan(ours)
+        if not free and ticket is not None and data.get(GRANT_TICKET) == ticket.id:
+            return self._plan_crossed(batch, current, data)
         queue = queue_of(data)
         arrivals = int(data.get(ARRIVALS, 0))
+        grant_first = False
+        if free and queue:
+            # Free, and another waiter is first: a lease ran out, or a grant lapsed,
+            # and this attempt is the first to notice. It grants the key to that
+            # waiter (in its own batch), and then meets the key held.
+            first = self._grantable_head(data, dict(queue), now, counter, by_path[floor_ref.path])
+            grant_first = first is not None and (ticket is None or first[0] != ticket.id)
+            free = not grant_first
         if queue or (ticket is not None and not free):
             # Someone waits, or the caller will: the queue rule decides (waiting.py).
             before = queue.get(ticket.id) if ticket is not None else None
             take, position = queue_admits(
                 queue, now, free=free, ticket=ticket, arrival=arrivals + 1
             )
+            requests = None
             if ticket is not None and queue.get(ticket.id, (0, 0))[0] == arrivals + 1:
                 arrivals += 1  # a new place was handed out
+                if self.grants:  # with what a release would grant the key with
+                    requests = {ticket.id: self._request(lock_id, ttl_ms)}
+            if not take and grant_first:
+                check_cancel(cancel, {"key": key})  # after reads, before writes
+                self._plan_grant(batch, data, queue, snaps, refs, arrivals, requests)
+                behind = None if position is None else position - 1  # the head has it
+                return _Plan(AcquireResult.locked(behind), write=True, crossed=True)
             if not take:
                 if ticket is None or not _renewal_due(before, queue[ticket.id], ticket, now):
                     return _Plan(AcquireResult.locked(position))
                 check_cancel(cancel, {"key": key})  # after reads, before writes
-                fields = queue_update(data, queue, arrivals, now_ms=now)
+                fields = queue_update(data, queue, arrivals, now_ms=now, requests=requests)
                 batch.update(lock_ref, fields, **self._unchanged(current))
                 return _Plan(AcquireResult.locked(position), write=True)
         elif not free:
@@ -365,6 +402,106 @@ class FirestoreBackend(BatchedCleanup, BaseLockBackend):
         )
         return _Plan(result, write=True, waiting_until=waiting_until)
 
+    def _request(self, lock_id: str, ttl_ms: int) -> dict[str, Any]:
+        """A new place's grant record: what this acquire would write (documents.py)."""
+        request: dict[str, Any] = {
+            "lockId": lock_id,
+            "ttlMs": ttl_ms,
+            "clock": self.fence_mode == "clock",
+        }
+        owner = self._owner()
+        if owner is not None:
+            request["owner"] = owner
+        return request
+
+    def _plan_crossed(self, batch: Any, current: Any, data: Mapping[str, Any]) -> _Plan:
+        """The caller's ticket was granted the key while its attempt was on the way
+        (``data`` holds that live grant): the answer is the granted lock, claimed by
+        this attempt's guarded write if nobody claimed it yet."""
+        expires = int(data.get(GRANT_EXPIRES_AT_MS, data[EXPIRES_AT_MS]))
+        result = AcquireResult(
+            ok=True, lock_id=data[LOCK_ID], expires_at_ms=expires, fence=data[FENCE]
+        )
+        if GRANT_EXPIRES_AT_MS not in data:
+            return _Plan(result, crossed=True)
+        batch.update(current.reference, _claim_fields(data), **self._unchanged(current))
+        return _Plan(result, write=True, crossed=True)
+
+    def _plan_grant(
+        self,
+        batch: Any,
+        data: Mapping[str, Any],
+        queue: Queue,
+        snaps: list[Any],
+        refs: _AcquireRefs,
+        arrivals: int | None = None,
+        requests: Mapping[str, Mapping[str, Any]] | None = None,
+    ) -> bool:
+        """The key of the lock document in ``snaps`` is free (or being freed by this
+        batch): fill ``batch`` with the lock for the first live place of ``queue`` (its
+        place leaves ``queue``), exactly as that waiter's acquire would write it, with
+        a claim deadline; False (nothing written) when that place has no grant record,
+        or its fence would pass the maximum (the waiter is only woken, and its own
+        acquire reports that). ``queue`` has no lapsed places; ``now`` is the read's.
+        ``arrivals`` and ``requests``: an acquire's new place written with the grant.
+
+        The fence is chosen and guarded as the acquire's: the counter's guard (and the
+        lock document's) fail the batch if either changed since the read."""
+        by_path = {snap.reference.path: snap for snap in snaps}
+        lock_ref, fence_ref, floor_ref = refs
+        current, counter = by_path[lock_ref.path], by_path[fence_ref.path]
+        now = server_ms(current.read_time)
+        grantable = self._grantable_head(data, queue, now, counter, by_path[floor_ref.path])
+        if grantable is None:
+            return False
+        head, request, fence = grantable
+        del queue[head]
+        ttl_ms, owner = int(request["ttlMs"]), request.get("owner")
+        lease = now + ttl_ms
+        lock = {
+            **lock_fields(
+                str(request["lockId"]),
+                str(data[KEY]),
+                format_fence(fence),
+                now,
+                unclaimed_expiry(now, ttl_ms),  # gone at the claim deadline unless claimed
+                None if owner is None else str(owner),
+                data,
+            ),
+            GRANT_TICKET: head,
+            GRANT_EXPIRES_AT_MS: lease,
+            PURGE_AT: purge_at(max(lease, last_until(queue) or 0)),
+            **queue_fields(
+                data,
+                queue,
+                int(data.get(ARRIVALS, 0)) if arrivals is None else arrivals,
+                now,
+                requests,
+            ),
+        }
+        self._put(
+            batch,
+            fence_ref,
+            counter,
+            {COUNTER_FENCE: format_fence(fence), COUNTER_ACQUIRED_AT_MS: now},
+        )
+        batch.update(lock_ref, lock, **self._unchanged(current))
+        return True
+
+    def _grantable_head(
+        self, data: Mapping[str, Any], queue: Queue, now: int, counter: Any, floor: Any
+    ) -> tuple[str, Mapping[str, Any], int] | None:
+        """The first live place of ``queue`` that a grant can go to: its ticket, its
+        grant record and the fence it would get; None without grants, without a
+        waiter, for a place without a record, or past the maximum fence."""
+        head = queue_head(queue, now) if self.grants else None
+        request = request_of(data, head) if head is not None else None
+        if head is None or request is None:
+            return None
+        previous = int(counter.get(COUNTER_FENCE)) if counter.exists else 0
+        fence = next_fence(previous, _floor_of(floor), now if request.get("clock") else None)
+        return None if fence > FENCE_MAX else (head, request, fence)
+
     # If a guard fails, the lock or its counter changed between our read and our
     # write, and nothing was written. Usually another client took the lock: the next
     # read sees it live and answers "locked". But cleanup deleting the expired document
@@ -380,8 +517,9 @@ class FirestoreBackend(BatchedCleanup, BaseLockBackend):
             batch = self.client.batch()
             plan = self._plan_acquire(batch, key, ttl_ms, snaps, refs, cancel, ticket, lock_id)
             if not plan.write:
-                return plan.result
-            note_sent(lock_id)  # only a commit can take the lock, not the reads before it
+                return self._decided(plan, refs)
+            if not plan.crossed:
+                note_sent(lock_id)  # only a commit can take the lock, not the reads before it
             if self._commit(batch):
                 return self._committed(plan, refs, batch)
         return AcquireResult.locked()  # the lock kept changing under us: contention
@@ -396,15 +534,24 @@ class FirestoreBackend(BatchedCleanup, BaseLockBackend):
             batch = client.batch()
             plan = self._plan_acquire(batch, key, ttl_ms, snaps, refs, cancel, ticket, lock_id)
             if not plan.write:
-                return plan.result
-            note_sent(lock_id)
+                return self._decided(plan, refs)
+            if not plan.crossed:
+                note_sent(lock_id)
             if await self._acommit(batch):
                 return self._committed(plan, refs, batch)
         return AcquireResult.locked()
 
     def _committed(self, plan: _Plan, refs: _AcquireRefs, batch: Any) -> AcquireResult:
+        if plan.crossed:
+            return self._decided(plan, refs)
         if plan.result.ok:
             self._held.remember(plan.result, refs[0].path, batch, plan.waiting_until)
+        return plan.result
+
+    def _decided(self, plan: _Plan, refs: _AcquireRefs) -> AcquireResult:
+        if plan.crossed and plan.result.ok:  # granted: its release reads the document
+            assert plan.result.lock_id is not None
+            self._held.remember_path(plan.result.lock_id, refs[0].path)
         return plan.result
 
     @staticmethod
@@ -419,42 +566,79 @@ class FirestoreBackend(BatchedCleanup, BaseLockBackend):
             client=lambda: self.client,
             document=lambda key: self._refs(key)[0],
             timeout_s=self.operation_timeout_ms / 1000,
+            claim=self._claim,
+            granted=lambda key, grant: self._held.remember_path(
+                grant.lock_id, self._refs(key)[0].path
+            ),
         )
 
-    def _plan_withdraw(self, batch: Any, snap: Any, ticket_id: str) -> bool:
-        """Fill ``batch`` with the guarded removal of ``ticket_id`` from the queue;
-        False when it is not queued (nothing to write). The listeners of the key wake
-        its next waiter when the document shows the key free."""
+    def _plan_withdraw(
+        self, batch: Any, snaps: list[Any], refs: _AcquireRefs, ticket_id: str
+    ) -> bool:
+        """Fill ``batch`` with the guarded removal of ``ticket_id`` from the queue, or,
+        when the key was granted to it (claimed or not), the release of that lock;
+        either way a key then free is granted to the next live waiter. False when the
+        ticket is neither queued nor granted (nothing to write). Without a grant, the
+        listeners of the key wake its next waiter when the document shows it free."""
+        snap = next(s for s in snaps if s.reference.path == refs[0].path)
         data = fields_of(snap)
+        now = server_ms(snap.read_time)
         queue = queue_of(data)
-        if queue.pop(ticket_id, None) is None:
+        queued = queue.pop(ticket_id, None) is not None
+        granted = data.get(GRANT_TICKET) == ticket_id and holds_lock(data, now)
+        if not queued and not granted:
             return False
-        queue_head(queue, server_ms(snap.read_time))  # drops lapsed places
-        if not queue and not data.get(LOCK_ID):
+        queue_head(queue, now)  # drops lapsed places
+        if (granted or not holds_lock(data, now)) and self._plan_grant(
+            batch, data, queue, snaps, refs
+        ):
+            return True
+        if not queue and (granted or not data.get(LOCK_ID)):
             batch.delete(snap.reference, **self._unchanged(snap))  # nothing left in it
         else:
-            fields = queue_update(data, queue, int(data.get(ARRIVALS, 0)))
+            fields = queue_update(data, queue, int(data.get(ARRIVALS, 0)), vacate=granted)
             batch.update(snap.reference, fields, **self._unchanged(snap))
         return True
 
     def _withdraw(self, key: str, ticket_id: str) -> None:
-        ref = self._refs(key)[0]
+        refs = self._acquire_refs(key)
         for _ in range(CONFLICT_ATTEMPTS):
-            snap = self._call(ref.get)
+            snaps = self._call(lambda: list(self.client.get_all(list(refs))))
             batch = self.client.batch()
-            if not self._plan_withdraw(batch, snap, ticket_id) or self._commit(batch):
+            if not self._plan_withdraw(batch, snaps, refs, ticket_id) or self._commit(batch):
                 return
         logger.debug("Withdrawing a ticket kept conflicting; its place lapses by itself.")
 
     async def _awithdraw(self, key: str, ticket_id: str) -> None:
         client = self.aclient()
-        ref = self._refs(key, client)[0]
+        refs = self._acquire_refs(key, client)
         for _ in range(CONFLICT_ATTEMPTS):
-            snap = await self._acall(ref.get())
+            snaps = await self._acall(_collect(client.get_all(list(refs))))
             batch = client.batch()
-            if not self._plan_withdraw(batch, snap, ticket_id) or await self._acommit(batch):
+            if not self._plan_withdraw(batch, snaps, refs, ticket_id) or await self._acommit(batch):
                 return
         logger.debug("Withdrawing a ticket kept conflicting; its place lapses by itself.")
+
+    def _claim(self, key: str, grant: Grant) -> None:
+        """Claim a grant delivered to a waiter of this process (from the wake-ups'
+        thread): the lock gets its lease's expiry, if ``grant`` still holds the key and
+        is not claimed yet. A grant found gone lapsed, or was released already."""
+        ref = self._refs(key)[0]
+        for _ in range(CONFLICT_ATTEMPTS):
+            snap = self._call(ref.get)
+            data = fields_of(snap)
+            if (
+                data.get(LOCK_ID) != grant.lock_id
+                or GRANT_EXPIRES_AT_MS not in data
+                or not holds_lock(data, server_ms(snap.read_time))
+            ):
+                logger.debug("A granted lock was claimed, gone or lapsed when claimed.")
+                return
+            batch = self.client.batch()
+            batch.update(ref, _claim_fields(data), **self._unchanged(snap))
+            if self._commit(batch):
+                return
+        logger.warning("Claiming a granted lock kept conflicting; it lapses unless released.")
 
     # ------------------------------------------------------- release, extend
     def _plan_mutation(
@@ -500,14 +684,17 @@ class FirestoreBackend(BatchedCleanup, BaseLockBackend):
         *,
         release: bool = False,
         unknown: bool = False,
+        found: list[Any] | None = None,
     ) -> tuple[str, Any]:
         """Query, verify, guarded batch; start over when a guard fails (the lock was
         renewed, released or replaced since the query), up to ``CONFLICT_ATTEMPTS``.
         After a commit of unknown outcome (``unknown``: perhaps an earlier one), a
         ``release`` that finds the lock id gone reports the release done: that commit
-        applied. An extend simply applies again."""
+        applied. An extend simply applies again. ``found``: the first query's answer,
+        when the caller made it."""
         for _ in range(CONFLICT_ATTEMPTS):
-            found = self._call(lambda: list(self._by_lock_id(lock_id).stream()))
+            if found is None:
+                found = self._call(lambda: list(self._by_lock_id(lock_id).stream()))
             batch = self.client.batch()
             outcome, commit = self._plan_mutation(batch, found, lock_id, cancel, apply)
             if not commit:
@@ -515,7 +702,7 @@ class FirestoreBackend(BatchedCleanup, BaseLockBackend):
             committed = self._commit(batch)
             if committed:
                 return outcome
-            unknown = unknown or committed is None
+            unknown, found = unknown or committed is None, None
         raise self._kept_changing()
 
     async def _amutate(
@@ -526,10 +713,12 @@ class FirestoreBackend(BatchedCleanup, BaseLockBackend):
         *,
         release: bool = False,
         unknown: bool = False,
+        found: list[Any] | None = None,
     ) -> tuple[str, Any]:
         client = self.aclient()
         for _ in range(CONFLICT_ATTEMPTS):
-            found = await self._acall(_collect(self._by_lock_id(lock_id, client).stream()))
+            if found is None:
+                found = await self._acall(_collect(self._by_lock_id(lock_id, client).stream()))
             batch = client.batch()
             outcome, commit = self._plan_mutation(batch, found, lock_id, cancel, apply)
             if not commit:
@@ -537,7 +726,7 @@ class FirestoreBackend(BatchedCleanup, BaseLockBackend):
             committed = await self._acommit(batch)
             if committed:
                 return outcome
-            unknown = unknown or committed is None
+            unknown, found = unknown or committed is None, None
         raise self._kept_changing()
 
     def _acquire_may_have_run(self, error: LockError) -> bool:
@@ -569,12 +758,12 @@ class FirestoreBackend(BatchedCleanup, BaseLockBackend):
     def _renewal(self, ttl_ms: int) -> Callable[[Any, Any, int], int]:
         def renew(batch: Any, snap: Any, now: int) -> int:
             expires = now + ttl_ms
-            waiting_until = last_until(queue_of(fields_of(snap))) or 0
-            batch.update(
-                snap.reference,
-                {EXPIRES_AT_MS: expires, PURGE_AT: purge_at(max(expires, waiting_until))},
-                **self._unchanged(snap),
-            )
+            data = fields_of(snap)
+            waiting_until = last_until(queue_of(data)) or 0
+            fields = {EXPIRES_AT_MS: expires, PURGE_AT: purge_at(max(expires, waiting_until))}
+            if GRANT_EXPIRES_AT_MS in data:  # the holder's extend claims its grant
+                fields[GRANT_EXPIRES_AT_MS] = _firestore().DELETE_FIELD
+            batch.update(snap.reference, fields, **self._unchanged(snap))
             return expires
 
         return renew
@@ -618,29 +807,158 @@ class FirestoreBackend(BatchedCleanup, BaseLockBackend):
             return ReleaseResult(ok=True)
         return ReleaseResult(ok=False, reason="expired")
 
+    # With grants, a release that may find live waiters reads the lock document, its
+    # counter and the floor in one get_all (the acquire's read) and, in one guarded
+    # batch, either frees the key or writes the lock for the first live waiter that
+    # left a grant record: the release and the grant are one atomic step. It reads
+    # the document directly when its path is known (acquired, or granted, here);
+    # otherwise the lock-id query finds it first. A release that leaves no waiter
+    # keeps the one-RPC guarded delete above.
+    def _plan_release(
+        self,
+        batch: Any,
+        snaps: list[Any],
+        refs: _AcquireRefs,
+        lock_id: str,
+        cancel: CancelToken | None,
+    ) -> tuple[str, Any] | None:
+        """Decide a release from the acquire's three documents: ("ok", None) with
+        ``batch`` filled, ("expired", None) with nothing to write, or None when the
+        document does not carry ``lock_id`` (the lock-id query decides)."""
+        current = next(snap for snap in snaps if snap.reference.path == refs[0].path)
+        data = fields_of(current)
+        if data.get(LOCK_ID) != lock_id:
+            return None
+        now = server_ms(current.read_time)
+        if not holds_lock(data, now):
+            return ("expired", None)
+        check_cancel(cancel, {"lock_id": lock_id})  # after reads, before writes
+        queue = queue_of(data)
+        queue_head(queue, now)  # drops lapsed places
+        if self._plan_grant(batch, data, queue, snaps, refs):
+            return ("ok", None)
+        if not queue:
+            batch.delete(current.reference, **self._unchanged(current))
+        else:
+            fields = queue_update(data, queue, int(data.get(ARRIVALS, 0)), vacate=True)
+            batch.update(current.reference, fields, **self._unchanged(current))
+        return ("ok", None)
+
+    def _release_at(
+        self, lock_id: str, refs: _AcquireRefs, cancel: CancelToken | None, unknown: bool
+    ) -> tuple[tuple[str, Any] | None, bool]:
+        """Release ``lock_id`` from the documents ``refs``: (the outcome, or None when
+        the document does not carry it; whether a commit's outcome is unknown)."""
+        for _ in range(CONFLICT_ATTEMPTS):
+            snaps = self._call(lambda: list(self.client.get_all(list(refs))))
+            batch = self.client.batch()
+            outcome = self._plan_release(batch, snaps, refs, lock_id, cancel)
+            if outcome is None or outcome[0] != "ok":
+                return outcome, unknown
+            committed = self._commit(batch)
+            if committed:
+                return outcome, unknown
+            unknown = unknown or committed is None
+        raise self._kept_changing()
+
+    async def _arelease_at(
+        self, lock_id: str, refs: _AcquireRefs, cancel: CancelToken | None, unknown: bool
+    ) -> tuple[tuple[str, Any] | None, bool]:
+        client = self.aclient()
+        for _ in range(CONFLICT_ATTEMPTS):
+            snaps = await self._acall(_collect(client.get_all(list(refs))))
+            batch = client.batch()
+            outcome = self._plan_release(batch, snaps, refs, lock_id, cancel)
+            if outcome is None or outcome[0] != "ok":
+                return outcome, unknown
+            committed = await self._acommit(batch)
+            if committed:
+                return outcome, unknown
+            unknown = unknown or committed is None
+        raise self._kept_changing()
+
+    def _grantable(self, found: list[Any], lock_id: str) -> Any:
+        """The one document of the lock-id query that carries ``lock_id`` and has a live
+        waiter a release could grant the key to, or None."""
+        snaps = [snap for snap in found if snap.get(LOCK_ID) == lock_id]
+        if not self.grants or len(snaps) != 1:
+            return None
+        data = fields_of(snaps[0])
+        head = queue_head(queue_of(data), server_ms(snaps[0].read_time))
+        return snaps[0] if head is not None and request_of(data, head) is not None else None
+
     def _release(self, lock_id: str, cancel: CancelToken | None) -> ReleaseResult:
-        remembered = self._remembered_release(lock_id, self.client)
+        path, remembered = self._release_plan(lock_id, self.client)
         committed: bool | None = False
         if remembered is not None:
             committed = self._commit(remembered[0])
             if committed:
                 return self._released_at(*remembered)
         unknown = committed is None
+        if path is not None:
+            outcome, unknown = self._release_at(lock_id, self._refs_at(path), cancel, unknown)
+            if outcome is not None:
+                return self._released(_settled(outcome, unknown))
+        found = None
+        if self.grants:
+            found = self._call(lambda: list(self._by_lock_id(lock_id).stream()))
+            snap = self._grantable(found, lock_id)
+            if snap is not None:
+                refs = self._refs_at(snap.reference.path)
+                outcome, unknown = self._release_at(lock_id, refs, cancel, unknown)
+                if outcome is not None:
+                    return self._released(_settled(outcome, unknown))
+                found = None  # changed meanwhile: the query decides afresh
         return self._released(
-            self._mutate(lock_id, cancel, self._vacate, release=True, unknown=unknown)
+            self._mutate(lock_id, cancel, self._vacate, release=True, unknown=unknown, found=found)
         )
 
     async def _arelease(self, lock_id: str, cancel: CancelToken | None) -> ReleaseResult:
-        remembered = self._remembered_release(lock_id, self.aclient())
+        client = self.aclient()
+        path, remembered = self._release_plan(lock_id, client)
         committed: bool | None = False
         if remembered is not None:
             committed = await self._acommit(remembered[0])
             if committed:
                 return self._released_at(*remembered)
         unknown = committed is None
+        if path is not None:
+            refs = self._refs_at(path, client)
+            outcome, unknown = await self._arelease_at(lock_id, refs, cancel, unknown)
+            if outcome is not None:
+                return self._released(_settled(outcome, unknown))
+        found = None
+        if self.grants:
+            found = await self._acall(_collect(self._by_lock_id(lock_id, client).stream()))
+            snap = self._grantable(found, lock_id)
+            if snap is not None:
+                refs = self._refs_at(snap.reference.path, client)
+                outcome, unknown = await self._arelease_at(lock_id, refs, cancel, unknown)
+                if outcome is not None:
+                    return self._released(_settled(outcome, unknown))
+                found = None
         return self._released(
-            await self._amutate(lock_id, cancel, self._vacate, release=True, unknown=unknown)
+            await self._amutate(
+                lock_id, cancel, self._vacate, release=True, unknown=unknown, found=found
+            )
         )
+
+    def _release_plan(self, lock_id: str, client: Any) -> tuple[str | None, tuple[Any, Any] | None]:
+        """How to release ``lock_id``: the path of its document, when a release there
+        may grant (a lock granted to a waiter here, or acquired here with waiters
+        queued), to read before deciding; or the one-RPC guarded write of a lock this
+        object acquired, to try first (its acquire left no waiter, or no grants)."""
+        granted_path = self._held.forget_path(lock_id)
+        held = self._held.peek(lock_id)
+        if held is None:
+            return (granted_path if self.grants else None), None
+        if self.grants and held[3] is not None:  # waiters were there: read, then grant
+            self._held.forget(lock_id)
+            return held[0], None
+        # The blind write fails only when the document changed since our acquire: the
+        # lock-id query then decides (and hands over to the read of the document when
+        # a waiter it could grant the key to has queued meanwhile).
+        return None, self._remembered_release(lock_id, client)
 
     def _extend(self, lock_id: str, ttl_ms: int, cancel: CancelToken | None) -> ExtendResult:
         self._held.forget(lock_id)  # the document changes: later releases take the query
@@ -913,7 +1231,23 @@ class _Held:
 
     def __init__(self) -> None:
         self._locks: OrderedDict[str, _Remembered] = OrderedDict()
+        # Granted locks whose waiter is here: lock id -> document path (same bound).
+        self._paths: OrderedDict[str, str] = OrderedDict()
         self._mutex = threading.Lock()
+
+    def remember_path(self, lock_id: str, path: str) -> None:
+        with self._mutex:
+            self._paths[lock_id] = path
+            if len(self._paths) > HELD_MEMORY:
+                self._paths.popitem(last=False)
+
+    def forget_path(self, lock_id: str) -> str | None:
+        with self._mutex:
+            return self._paths.pop(lock_id, None)
+
+    def peek(self, lock_id: str) -> _Remembered | None:
+        with self._mutex:
+            return self._locks.get(lock_id)
 
     def remember(
         self, result: AcquireResult, path: str, batch: Any, waiting_until: int | None
@@ -939,6 +1273,10 @@ class _Plan:
     result: AcquireResult
     write: bool = False
     waiting_until: int | None = None
+    # A grant decided it: the result is the lock granted to the caller's ticket, or
+    # ``locked`` after this attempt granted the key to the first waiter. Either way
+    # the batch takes no lock id of this call.
+    crossed: bool = False
 
 
 def _renewal_due(
@@ -960,6 +1298,16 @@ def _settled(outcome: tuple[str, Any], released_unseen: bool) -> tuple[str, Any]
     if released_unseen and outcome[0] == "not-found":
         return ("ok", None)
     return outcome
+
+
+def _claim_fields(data: Mapping[str, Any]) -> dict[str, Any]:
+    """The claim of the unclaimed grant ``data`` holds: the lease's expiry."""
+    lease = int(data[GRANT_EXPIRES_AT_MS])
+    return {
+        EXPIRES_AT_MS: lease,
+        GRANT_EXPIRES_AT_MS: _firestore().DELETE_FIELD,
+        PURGE_AT: purge_at(max(lease, last_until(queue_of(data)) or 0)),
+    }
 
 
 def _quiet(lock: Any) -> bool:

@@ -15,7 +15,16 @@ A key's **lock document** (id: :func:`document_id`, in ``OPTIONS["COLLECTION"]``
     (``queuedAtMs``: when the place was handed out, for the inspector's oldest wait;
     absent in places written by a version before it);
 ``arrivals``
-    the last arrival number handed out; both queue fields are absent when nobody waits.
+    the last arrival number handed out; both queue fields are absent when nobody waits;
+``request`` (in a place)
+    what the waiter's acquire would write (``lockId``, ``ttlMs``, ``clock``, ``owner``),
+    stored when the place is handed out: a release grants the key with it;
+``grantTicket``, ``grantExpiresAtMs``
+    a lock a release granted to a waiter: its ticket (kept until the lock goes, so a
+    withdrawal of the ticket gives the key back), and, until the waiter's process
+    claims it, the lease's expiry (``expiresAtMs`` is then
+    :func:`~django_syncguard.waiting.queues.unclaimed_expiry`, so an unclaimed grant
+    is gone for every reader at its claim deadline).
 
 A key's **fence counter** (in ``OPTIONS["FENCE_COLLECTION"]``, id :func:`counter_id`):
 
@@ -40,7 +49,7 @@ from typing import Any
 from ...constants import BACKEND_LIMITS, CLEANUP_GUARD_MS, RESERVE_BYTES, TIME_TOLERANCE_MS
 from ...keys import derived, hash_storage_key, make_storage_key
 from ...liveness import is_live
-from ...waiting import Queue, queue_head
+from ...waiting import Grant, Queue, queue_head
 from .client import _firestore
 
 #: Fields of a lock document.
@@ -54,6 +63,10 @@ PURGE_AT = "purgeAt"
 #: Document fields of a key's queue.
 WAITERS = "waiters"
 ARRIVALS = "arrivals"
+#: A place's grant record (what its acquire would write), and the fields of a grant.
+REQUEST = "request"
+GRANT_TICKET = "grantTicket"
+GRANT_EXPIRES_AT_MS = "grantExpiresAtMs"
 #: Fields of a fence counter document.
 COUNTER_FENCE = "fence"
 COUNTER_ACQUIRED_AT_MS = "acquiredAtMs"
@@ -135,21 +148,29 @@ def queue_of(data: Mapping[str, Any]) -> Queue:
 
 
 def queue_value(
-    queue: Queue, data: Mapping[str, Any] | None = None, now_ms: int | None = None
-) -> dict[str, dict[str, int]]:
+    queue: Queue,
+    data: Mapping[str, Any] | None = None,
+    now_ms: int | None = None,
+    requests: Mapping[str, Mapping[str, Any]] | None = None,
+) -> dict[str, dict[str, Any]]:
     """``queue`` as the value of the ``waiters`` field: a place that ``data`` already
-    had (same arrival number) keeps its ``queuedAtMs``; a new one is queued at
-    ``now_ms`` (when given)."""
+    had (same arrival number) keeps its ``queuedAtMs`` and its grant record; a new one
+    is queued at ``now_ms`` (when given), with its record from ``requests``."""
     old = (data or {}).get(WAITERS) or {}
-    value = {}
+    value: dict[str, dict[str, Any]] = {}
     for ticket_id, (arrival, until) in queue.items():
-        entry = {"arrival": arrival, "liveUntilMs": until}
+        entry: dict[str, Any] = {"arrival": arrival, "liveUntilMs": until}
         kept = old.get(ticket_id)
         if isinstance(kept, Mapping) and kept.get("arrival") == arrival:
             if "queuedAtMs" in kept:
                 entry["queuedAtMs"] = int(kept["queuedAtMs"])
-        elif now_ms is not None:
-            entry["queuedAtMs"] = now_ms
+            if isinstance(kept.get(REQUEST), Mapping):
+                entry[REQUEST] = dict(kept[REQUEST])
+        else:
+            if now_ms is not None:
+                entry["queuedAtMs"] = now_ms
+            if requests and ticket_id in requests:
+                entry[REQUEST] = dict(requests[ticket_id])
         value[ticket_id] = entry
     return value
 
@@ -173,6 +194,22 @@ def first_waiter(data: Mapping[str, Any] | None, now_ms: int) -> str | None:
     if not data or holds_lock(data, now_ms):
         return None
     return queue_head(queue_of(data), now_ms)
+
+
+def request_of(data: Mapping[str, Any], ticket_id: str) -> Mapping[str, Any] | None:
+    """The grant record of ``ticket_id``'s place (None: a place without one, written
+    by a version before grants or by a backend that does not grant)."""
+    entry = (data.get(WAITERS) or {}).get(ticket_id)
+    request = entry.get(REQUEST) if isinstance(entry, Mapping) else None
+    return request if isinstance(request, Mapping) else None
+
+
+def unclaimed_grant(data: Mapping[str, Any] | None, now_ms: int) -> tuple[str, Grant] | None:
+    """The ticket and grant of a live lock a release granted and nobody claimed yet."""
+    if not data or GRANT_EXPIRES_AT_MS not in data or not holds_lock(data, now_ms):
+        return None
+    grant = Grant(str(data[LOCK_ID]), int(data[FENCE]), int(data[GRANT_EXPIRES_AT_MS]))
+    return str(data[GRANT_TICKET]), grant
 
 
 def has_waiters(snap: Any) -> bool:
@@ -204,16 +241,24 @@ def lock_fields(
         fields[OWNER] = owner
     elif data and OWNER in data:
         fields[OWNER] = _firestore().DELETE_FIELD
+    for name in (GRANT_TICKET, GRANT_EXPIRES_AT_MS):  # a previous holder's grant
+        if data and name in data:
+            fields[name] = _firestore().DELETE_FIELD
     return fields
 
 
 def queue_fields(
-    data: Mapping[str, Any], queue: Queue, arrivals: int, now_ms: int | None = None
+    data: Mapping[str, Any],
+    queue: Queue,
+    arrivals: int,
+    now_ms: int | None = None,
+    requests: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """The queue fields of a write: ``queue`` (new places queued at ``now_ms``) and the
-    arrival counter, or, once nobody waits, the deletion of the fields ``data`` has."""
+    """The queue fields of a write: ``queue`` (new places queued at ``now_ms``, with
+    their grant records from ``requests``) and the arrival counter, or, once nobody
+    waits, the deletion of the fields ``data`` has."""
     if queue:
-        return {WAITERS: queue_value(queue, data, now_ms), ARRIVALS: arrivals}
+        return {WAITERS: queue_value(queue, data, now_ms, requests), ARRIVALS: arrivals}
     return {name: _firestore().DELETE_FIELD for name in (WAITERS, ARRIVALS) if name in data}
 
 
@@ -226,6 +271,8 @@ def vacated(waiting_until: int) -> dict[str, Any]:
         FENCE: delete,
         ACQUIRED_AT_MS: delete,
         OWNER: delete,
+        GRANT_TICKET: delete,
+        GRANT_EXPIRES_AT_MS: delete,
         EXPIRES_AT_MS: waiting_until,
         PURGE_AT: purge_at(waiting_until),
     }
@@ -238,11 +285,12 @@ def queue_update(
     *,
     vacate: bool = False,
     now_ms: int | None = None,
+    requests: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """The update of a document that keeps waiters (``queue`` is not empty): the queue
     fields, and when the document may be purged. A document without a lock (or whose
     lock this write releases: ``vacate``) expires with its last waiter."""
-    fields = queue_fields(data, queue, arrivals, now_ms)
+    fields = queue_fields(data, queue, arrivals, now_ms, requests)
     waiting_until = last_until(queue) or 0
     if vacate:
         return {**fields, **vacated(waiting_until)}

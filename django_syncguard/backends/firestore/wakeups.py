@@ -29,9 +29,10 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
+from ...waiting import Grant
 from ...waiting.channels import ChannelWorker, Confirmed, Event, Message
 from .client import database_string, decode_fields, document_name, listen_stub, rpc_metadata
-from .documents import first_waiter
+from .documents import first_waiter, unclaimed_grant
 
 logger = logging.getLogger("django_syncguard.backends.firestore.wakeups")
 
@@ -121,6 +122,7 @@ class _Watching:
         self.pending: dict[str, dict[str, Any] | None] = {}  # name -> state (None: missing)
         self.exists: dict[str, bool] = {}  # name -> whether the document exists
         self.confirmed: set[str] = set()
+        self.granted: dict[str, str] = {}  # name -> the lock id of the grant last told
         self.events: list[Event] = []
         self.finished = False
         self.error: BaseException | None = None
@@ -155,6 +157,7 @@ class _Watching:
         target_id = self.targets.pop(name)
         self.names.pop(target_id, None)
         self.confirmed.discard(name)
+        self.granted.pop(name, None)
         self.pending.pop(name, None)
         self.exists.pop(name, None)
         self.current.discard(target_id)
@@ -298,13 +301,23 @@ class _Watching:
 
     def _settle(self, now_ms: int) -> None:
         """A consistent snapshot at ``now_ms``: wake the first live waiter of every
-        changed document that shows its key free, and confirm new watches."""
+        changed document that shows its key free, tell each grant not yet claimed to
+        its ticket (once per grant: the document changes again while it waits to be
+        claimed, and a second delivery would postpone the claim), and confirm new
+        watches."""
         with self.lock:
             pending, self.pending = self.pending, {}
             for name, data in pending.items():
-                head = first_waiter(data, now_ms) if name in self.targets else None
+                if name not in self.targets:
+                    continue
+                head = first_waiter(data, now_ms)
                 if head is not None:
                     self.events.append(Message(name, head))
+                    continue
+                granted = unclaimed_grant(data, now_ms)
+                if granted is not None and self.granted.get(name) != granted[1].lock_id:
+                    self.granted[name] = granted[1].lock_id
+                    self.events.append(Message(name, *granted))
             if not self.closing:
                 for name, target_id in self.targets.items():
                     if target_id in self.current and name not in self.confirmed:
@@ -328,10 +341,26 @@ class FirestoreWakeUps(ChannelWorker):
         client: Callable[[], Any],
         document: Callable[[str], Any],
         timeout_s: float,
+        claim: Callable[[str, Grant], None] | None = None,
+        granted: Callable[[str, Grant], None] | None = None,
     ) -> None:
         transport = FirestoreTransport(client, document, min(timeout_s, END_GRACE_S))
         super().__init__(name, transport, timeout_s=timeout_s)
+        self._claimer = claim
+        self._granted = granted
         _open.add(self)
+
+    def claim(self, key: str, grant: Grant) -> None:
+        """A grant reached a waiter here: claim it later (the worker's timer), and let
+        the backend know where the granted lock lives, so that its release reads the
+        document directly."""
+        if self._granted is not None:
+            self._granted(key, grant)
+        super().claim(key, grant)
+
+    def _claim_on_server(self, key: str, grant: Grant) -> None:
+        if self._claimer is not None:
+            self._claimer(key, grant)
 
     def watched(self) -> list[str]:
         """The keys on the stream now (waited for, or idle and not yet unwatched)."""
