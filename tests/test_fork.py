@@ -8,12 +8,14 @@ pipe and ends with ``os._exit``. A child that hangs is killed after ``PATIENCE_S
 
 from __future__ import annotations
 
+import faulthandler
 import gc
 import json
 import logging
 import os
 import select
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -90,11 +92,15 @@ class Forked:
 
 def _run_child(work: Callable[[], Any], go_r: int, out_w: int) -> None:
     report: dict[str, Any]
+    # A child that hangs shows where before the parent kills it: every thread's stack
+    # on stderr (the test's captured output), 10 s before the parent gives up.
+    faulthandler.dump_traceback_later(PATIENCE_S - 10, exit=False, file=sys.__stderr__)
     try:
         os.read(go_r, 1)
         report = {"result": work()}
     except BaseException:
         report = {"error": traceback.format_exc()}
+    faulthandler.cancel_dump_traceback_later()
     try:
         data = json.dumps(report).encode()
         while data:
