@@ -55,6 +55,11 @@ class Forked:
     def __init__(self, work: Callable[[], Any]) -> None:
         go_r, self._go = os.pipe()
         self._out, out_w = os.pipe()
+        # Garbage of earlier tests is finalized here, not in the child: the finalizer
+        # of a gRPC object (a Firestore client's channel) may wait there forever on a
+        # lock of a gRPC thread that the fork left behind (gRPC skips its own fork
+        # handlers while its threads are busy, as it logged when a child hung here).
+        gc.collect()
         self.pid = os.fork()
         if self.pid == 0:  # the child: never returns
             os.close(self._go)
