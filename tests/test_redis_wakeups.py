@@ -663,7 +663,7 @@ def test_a_forked_child_inherits_no_watched_grant(rh):
 
 
 def test_checking_a_grant_before_its_window_ends_watches_it_again_and_a_claimed_one_is_left(rh):
-    """check_grant on a grant whose window is not over yet (the server's clock decides)
+    """A check of a grant whose window is not over yet (the server's clock decides)
     frees nothing and watches it again for the rest of the window; on a grant its
     waiter claimed, it does nothing and watches nothing."""
     backend, key = rh.redis, "x:check-early"
@@ -680,7 +680,7 @@ def test_checking_a_grant_before_its_window_ends_watches_it_again_and_a_claimed_
         backend.wake_ups.settled(lock_key)  # this process is the grantee: drop the watch
         backend.wake_ups.released(grant.lock_id)  # and send no claim: the test checks
 
-        backend.check_grant(lock_key, mine.id)
+        backend.wake_ups._run_grant_check(lock_key, mine.id)
         ((due, watched),) = backend.wake_ups._watches.values()
         assert watched == mine.id
         assert 0 < due - time.monotonic() <= (GRANT_WINDOW_MS + RECHECK_MARGIN_MS) / 1000
@@ -689,7 +689,7 @@ def test_checking_a_grant_before_its_window_ends_watches_it_again_and_a_claimed_
 
         backend.wake_ups.settled(lock_key)
         assert backend.claim(grant)
-        backend.check_grant(lock_key, mine.id)
+        backend.wake_ups._run_grant_check(lock_key, mine.id)
         assert [t for _, t in backend.wake_ups._watches.values() if t] == []  # none watched
         assert backend.client.hget(lock_key, "i") == grant.lock_id.encode()
         assert backend.release(grant.lock_id).ok

@@ -357,9 +357,15 @@ class BaseLockBackend(SanitizedLookups, ABC):
     def _no_claim_needed(self, lock_id: str) -> None:
         """A lock granted here and released before its process claimed it needs no
         claim (the release claims it); without a registry built, nothing was granted."""
-        built: WakeUps | None = self.__dict__.get("_wake_ups_built")
+        built = self._built_wake_ups()
         if built is not None:
             built.released(lock_id)
+
+    def _built_wake_ups(self) -> WakeUps | None:
+        """This backend's wake-ups if this process built them (a waiter did), without
+        building them."""
+        built: WakeUps | None = self.__dict__.get("_wake_ups_built")
+        return built
 
     def extend(self, lock_id: str, ttl_ms: int, *, cancel: Any = None) -> ExtendResult:
         """Reset the expiry of a live lock to now + ``ttl_ms``; never revives a dead one."""

@@ -108,6 +108,19 @@ class Message:
 Event = Confirmed | Message
 
 
+@dataclass(frozen=True, slots=True)
+class GrantCheck:
+    """What checking a grant this process made found (see ``ChannelWorker.watch``):
+    ``left_ms`` > 0 when its window is not over yet on the server's clock; ``lapsed``
+    when it lapsed unclaimed and the key was freed, ``granted`` the ticket the key then
+    went to (None: nobody waits, or the check was not watched). Neither: the grant
+    was claimed, or the key moved on."""
+
+    lapsed: bool = False
+    left_ms: int = 0
+    granted: str | None = None
+
+
 class Refused(Exception):
     """The server refused a subscription; retried after :data:`REFUSED_RETRY_S`."""
 
@@ -363,20 +376,37 @@ class ChannelWorker(WakeUps):
                 )
         for channel, ticket_id in checks:
             try:
-                self._check_grant_on_server(channel, ticket_id)
+                self._run_grant_check(channel, ticket_id)
             except Exception as exc:  # the waiters' check-ins notice the lapse instead
                 self.transport.logger.warning(
                     "Checking a grant made by %s failed: %r.", self.name, exc
                 )
         return next_s
 
+    def _run_grant_check(self, channel: str, ticket_id: str) -> None:
+        """Check a grant whose window is over, and act on what the server found: one
+        not over yet on its clock is checked again then; a new grant the check made
+        is watched in turn."""
+        found = self._check_grant_on_server(channel, ticket_id)
+        if found is None:
+            return
+        if found.left_ms > 0:
+            self.watch(channel, ticket_id, (found.left_ms + tickets.RECHECK_MARGIN_MS) / 1000)
+        elif found.lapsed:
+            self.transport.logger.info(
+                "A lock granted to a waiter lapsed unclaimed; the key of %s goes on.", channel
+            )
+            if found.granted is not None:
+                self.watch(channel, found.granted)
+
     def _claim_on_server(self, key: str, grant: Grant) -> None:
         """Send the claim of ``grant`` (backends that grant)."""
 
-    def _check_grant_on_server(self, channel: str, ticket_id: str) -> None:
+    def _check_grant_on_server(self, channel: str, ticket_id: str) -> GrantCheck | None:
         """Grant the key of ``channel`` on if its grant to ``ticket_id`` lapsed
-        unclaimed (backends that watch their grants; they call :meth:`watch` again
-        for a grant the check makes, or for one not over yet)."""
+        unclaimed (backends that watch their grants); None when it could not be
+        checked."""
+        return None
 
     def _pause(self, seconds: float) -> None:
         """Wait between connections (or until closed), claiming what comes due."""

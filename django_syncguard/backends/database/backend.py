@@ -161,9 +161,7 @@ class DatabaseBackend(BatchedCleanup, BaseLockBackend):
         return self.ops.check_grant(storage_key, ticket_id, watched)
 
     def _built_wake_ups(self) -> DatabaseWakeUps | None:
-        """This backend's wake-ups if this process built them (a waiter did), without
-        building them."""
-        built = self.__dict__.get("_wake_ups_built")
+        built = super()._built_wake_ups()
         return built if isinstance(built, DatabaseWakeUps) else None
 
     def _grant_hook(self) -> OnGrant | None:

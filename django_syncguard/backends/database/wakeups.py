@@ -53,8 +53,8 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from ...keys import derived
-from ...waiting import Grant, WakeUps, tickets
-from ...waiting.channels import ChannelWorker, Deaf, Event, Message
+from ...waiting import Grant, WakeUps
+from ...waiting.channels import ChannelWorker, Deaf, Event, GrantCheck, Message
 from .connections import close_quietly
 
 if TYPE_CHECKING:
@@ -349,25 +349,23 @@ class PostgresWakeUps(ChannelWorker, DatabaseWakeUps):
                 self._watched_keys.popitem(last=False)
         self.watch(channel, ticket_id)
 
-    def _check_grant_on_server(self, channel: str, ticket_id: str) -> None:
+    def _check_grant_on_server(self, channel: str, ticket_id: str) -> GrantCheck | None:
         """The window of a grant this process made is over: if it lapsed unclaimed,
-        the server grants the key on (``syncguard_check_grant``), and that grant is
-        watched in turn; one whose window the server's clock says is not over yet is
-        checked again then. On this (the channel's) thread, through its own private
-        connection of the backend, as a claim. A key forgotten (beyond
-        :data:`WATCHED_KEYS_CAP`) is left to the waiters' check-ins."""
+        the server grants the key on (``syncguard_check_grant``). On this (the
+        channel's) thread, through its own private connection of the backend, as a
+        claim. A key forgotten (beyond :data:`WATCHED_KEYS_CAP`) is left to the
+        waiters' check-ins."""
         with self._claims_lock:
             storage_key = self._watched_keys.get(channel)
         if storage_key is None or self._check_grant is None:
             logger.debug("A grant made here could not be checked: its key is forgotten.")
-            return
+            return None
         status, left_ms, granted = self._check_grant(storage_key, ticket_id, self.watching)
         if status == 2:
-            self.watch(channel, ticket_id, (int(left_ms) + tickets.RECHECK_MARGIN_MS) / 1000)
-        elif status == 1:
-            logger.info("A lock granted to a waiter lapsed unclaimed; the key goes on.")
-            if granted is not None:
-                self.watch(channel, str(granted))
+            return GrantCheck(left_ms=int(left_ms))
+        if status == 1:
+            return GrantCheck(lapsed=True, granted=None if granted is None else str(granted))
+        return GrantCheck()
 
     def _claim_on_server(self, key: str, grant: Grant) -> None:
         """Claim a grant delivered to a waiter of this process, from this (the

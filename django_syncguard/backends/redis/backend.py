@@ -44,7 +44,6 @@ key's own hash, so no user key can land on another key's counter either. See
 from __future__ import annotations
 
 import json
-import logging
 import re
 import threading
 from collections import OrderedDict
@@ -69,6 +68,7 @@ from ...orphans import note_maybe_written, note_sent
 from ...owners import QueueStats
 from ...results import AcquireResult, ExtendResult, LockPage, LockRecord, ReleaseResult
 from ...waiting import Grant, WaitTicket, WakeUps, tickets
+from ...waiting.channels import GrantCheck
 from ..base import BaseLockBackend, option_ms
 from . import slots
 from .client import (
@@ -86,8 +86,6 @@ if TYPE_CHECKING:
     import redis
 
     from .wakeups import RedisWakeUps
-
-logger = logging.getLogger("django_syncguard.backends.redis")
 
 # System-check messages of this backend (see checks.py for the table of ids).
 W010 = (
@@ -131,6 +129,11 @@ RESERVE = RESERVE_BYTES["REDIS"]
 MAX_SCANS_PER_PAGE = 20
 
 _GLOB_SPECIAL = re.compile(r"([\\*?\[\]])")
+
+
+def _text(value: Any) -> str:
+    """A reply's string (redis-py gives bytes unless told to decode)."""
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def _glob_escape(text: str) -> str:
@@ -293,8 +296,7 @@ class RedisBackend(BaseLockBackend):
     def _user_key(self, lock_key: bytes | str, stored: bytes) -> str:
         if stored:
             return stored.decode()
-        name = lock_key.decode() if isinstance(lock_key, bytes) else lock_key
-        return name[len(self.prefix) + 1 :]
+        return _text(lock_key)[len(self.prefix) + 1 :]
 
     # ------------------------------------------------------------- dispatch
     def _call(self, name: str, keys: list[str], args: list[Any]) -> Any:
@@ -474,7 +476,7 @@ class RedisBackend(BaseLockBackend):
             return AcquireResult.locked(int(reply[1]) if len(reply) > 1 else None)
         self._settled(keys[0])
         if len(reply) > 3:  # the key had been granted to this waiter: the grant's lock
-            lock_id = reply[3].decode() if isinstance(reply[3], bytes) else str(reply[3])
+            lock_id = _text(reply[3])
         if self.cluster:
             self._held_names.remember(lock_id, keys[0])
         return AcquireResult(
@@ -577,52 +579,51 @@ class RedisBackend(BaseLockBackend):
 
     def _process_channel(self) -> str:
         """This process's grant channel ("" on a cluster: grants go on the key's)."""
-        built = self.__dict__.get("_wake_ups_built")
-        channel = getattr(built, "process_channel", None)
+        built = self._built()
+        channel = None if built is None else built.process_channel
         return channel if isinstance(channel, str) else ""
 
     def _watcher(self) -> RedisWakeUps | None:
         """The wake-ups that check this process's grants once their window is over
         (see ``ChannelWorker.watch``); None when they cannot now (not connected, a
         cluster: its waiters hear every grant of their key) or grants are off."""
-        built = self.__dict__.get("_wake_ups_built")
+        built = self._built()
         if built is None or self.cluster or not self.grants or not built.watching:
             return None
-        return cast("RedisWakeUps", built)
+        return built
 
     def _watch_flag(self) -> str:
         """The scripts' argument: "1" when a grant they make is checked by this
         process (they then spare the next waiter its message), else ""."""
         return "1" if self._watcher() is not None else ""
 
+    def _built(self) -> RedisWakeUps | None:
+        """This backend's wake-ups if this process built them (a waiter did)."""
+        return cast("RedisWakeUps | None", self._built_wake_ups())
+
     def _watch(self, lock_key: Any, ticket: Any) -> None:
         """A script of this process granted ``lock_key`` to ``ticket``: check it."""
-        built = self.__dict__.get("_wake_ups_built")
+        built = self._built()
         if built is not None:
-            name = lock_key.decode() if isinstance(lock_key, bytes) else str(lock_key)
-            built.watch(name, ticket.decode() if isinstance(ticket, bytes) else str(ticket))
+            built.watch(_text(lock_key), _text(ticket))
 
     def _settled(self, lock_key: str) -> None:
         """This process holds ``lock_key`` now: its earlier grants of it have ended."""
-        built = self.__dict__.get("_wake_ups_built")
+        built = self._built()
         if built is not None:
             built.settled(lock_key)
 
-    def check_grant(self, lock_key: str, ticket: str) -> None:
+    def check_grant(self, lock_key: str, ticket: str) -> GrantCheck:
         """Grant ``lock_key`` on if this process's grant of it to ``ticket`` lapsed
         unclaimed (the wake-ups' thread calls it once the grant's window is over)."""
-        flag = self._watch_flag()
-        reply = self._call("check_grant", [lock_key], [ticket, flag])
+        reply = self._call("check_grant", [lock_key], [ticket, self._watch_flag()])
         status = int(reply[0])
         if status == 2:  # the server's clock says the window is not over yet
-            built = self.__dict__.get("_wake_ups_built")
-            if built is not None:
-                margin = tickets.RECHECK_MARGIN_MS
-                built.watch(lock_key, ticket, (int(reply[1]) + margin) / 1000)
-        elif status == 1:
-            logger.info("A lock granted to a waiter lapsed unclaimed; %s goes on.", lock_key)
-            if len(reply) > 1:
-                self._watch(lock_key, reply[1])
+            return GrantCheck(left_ms=int(reply[1]))
+        if status == 1:
+            granted = reply[1] if len(reply) > 1 else None
+            return GrantCheck(lapsed=True, granted=None if granted is None else _text(granted))
+        return GrantCheck()
 
     def granted(self, key: str, grant: Grant) -> None:
         """A release granted ``key`` to a waiter of this process (see :meth:`claim`)."""
@@ -923,7 +924,7 @@ class RedisBackend(BaseLockBackend):
         for reply in self._per_slot("queue_stats", list(by_hash), lambda _: []):
             for j in range(0, len(reply), 3):
                 name, count, oldest = reply[j : j + 3]
-                key = by_hash.get(name.decode() if isinstance(name, bytes) else str(name))
+                key = by_hash.get(_text(name))
                 if key is not None:
                     stats[key] = QueueStats(int(count), int(oldest) if oldest else None)
         return stats

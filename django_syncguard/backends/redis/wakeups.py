@@ -45,7 +45,14 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ...keys import generate_lock_id
-from ...waiting.channels import ChannelWorker, Confirmed, Event, Message, Refused
+from ...waiting.channels import (
+    ChannelWorker,
+    Confirmed,
+    Event,
+    GrantCheck,
+    Message,
+    Refused,
+)
 from ...waiting.tickets import Grant
 from . import slots
 from .client import redirect_errors, redis_response_error
@@ -343,8 +350,8 @@ class RedisWakeUps(ChannelWorker):
         self._backend.granted(key, grant)
         super().claim(key, grant)
 
-    def _check_grant_on_server(self, channel: str, ticket_id: str) -> None:
-        self._backend.check_grant(channel, ticket_id)  # the channel is the lock hash
+    def _check_grant_on_server(self, channel: str, ticket_id: str) -> GrantCheck:
+        return self._backend.check_grant(channel, ticket_id)  # the channel is the lock hash
 
     def _claim_on_server(self, key: str, grant: Grant) -> None:
         """A claim that finds the lock gone means the grant lapsed (this process was
