@@ -26,6 +26,7 @@ from django_syncguard.handler import InvalidBackendError, LockHandler
 from django_syncguard.waiting import WaitTicket
 from tests.support.faults import wait_until
 from tests.support.harness import RedisHarness
+from tests.support.proxy import FaultProxy
 from tests.support.servers import RedisServer
 
 
@@ -90,6 +91,53 @@ def test_each_operation_is_one_evalsha(rh):
         backend.client.config_resetstat()
         operation()
         assert command_calls(backend.client) == {"evalsha": 1, **in_script}
+
+
+def test_a_call_that_timed_out_leaves_no_late_reply_for_the_next_call(redis_server):
+    # Scripts go out on a pooled connection without redis-py's per-command layers
+    # (client.direct_command): a connection whose reply did not come in time must be
+    # closed, not handed to the next call, which would read the late reply as its own.
+    with FaultProxy(redis_server.port) as proxy:
+        url = f"redis://127.0.0.1:{proxy.port}/0"
+        options = {"OPERATION_TIMEOUT_MS": 300, "FENCES": "counter"}
+        backend = RedisBackend("late", {"LOCATION": url, "KEY_PREFIX": "late", "OPTIONS": options})
+        try:
+            held = backend.acquire("late", 60_000)  # connected; the scripts are loaded
+            assert backend.lookup(key="late").fence == held.fence == "000000000000001"
+            assert backend.is_locked("free") is False
+            accepted = proxy.accepted
+            proxy.set_latency(250)  # a round trip: 500 ms, past the timeout
+            with pytest.raises(NetworkTimeout):
+                backend.lookup(key="late")  # its reply is on its way, late
+            proxy.set_latency(0)
+            # On that connection, the first reply would be the lookup's.
+            assert backend.is_locked("free") is False
+            assert backend.lookup(key="late").fence == "000000000000001"
+            assert proxy.accepted == accepted + 1  # a new connection
+            assert len(backend.client.connection_pool._available_connections) == 1
+        finally:
+            backend.close()
+
+
+def test_a_single_connection_client_runs_the_scripts_on_its_connection(redis_server):
+    backend = RedisBackend(
+        "single",
+        {
+            "LOCATION": redis_server.url,
+            "KEY_PREFIX": f"single{uuid.uuid4().hex[:6]}",
+            "OPTIONS": {"CLIENT_KWARGS": {"single_connection_client": True}},
+        },
+    )
+    try:
+        connection = backend.client.connection
+        assert connection is not None
+        held = backend.acquire("one", 60_000)
+        assert backend.lookup(lock_id=held.lock_id).fence == held.fence
+        assert backend.release(held.lock_id).ok is True
+        assert backend.client.connection is connection  # the same one throughout
+        assert backend.client.connection_pool._created_connections == 1
+    finally:
+        backend.close()
 
 
 # --------------------------------------------------------------- key layout

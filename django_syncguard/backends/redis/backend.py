@@ -48,6 +48,7 @@ import re
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from functools import partial
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, cast
 
 from django.core import checks
@@ -74,6 +75,7 @@ from . import slots
 from .client import (
     CLIENT_OPTIONS,
     RedisClients,
+    direct_command,
     map_redis_error,
     no_script_error,
     redirect_errors,
@@ -304,15 +306,16 @@ class RedisBackend(BaseLockBackend):
         digest, loaded and sent again where the server lacks it (a first call, a
         restart, ``SCRIPT FLUSH``), as redis-py's ``Script.__call__`` does without its
         work per call (copying the arguments, an import, an isinstance check through
-        ``typing`` for pipelines)."""
+        ``typing`` for pipelines); off a cluster, sent by :func:`~.client.direct_command`."""
         script = self._sync_scripts.get(name) or self._scripts[name]
         client = script.registered_client
+        send = client.execute_command if self.cluster else partial(direct_command, client)
         try:
             try:
-                return client.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+                return send("EVALSHA", script.sha, len(keys), *keys, *args)
             except no_script_error():
                 client.script_load(script.script)
-                return client.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+                return send("EVALSHA", script.sha, len(keys), *keys, *args)
         except redis_error() as exc:
             raise map_redis_error(exc, self.alias) from exc
 

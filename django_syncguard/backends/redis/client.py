@@ -118,6 +118,30 @@ def redis_lost_reply_errors() -> tuple[tuple[type[Exception], ...], tuple[type[E
     return (errors.TimeoutError, errors.ConnectionError), never_sent
 
 
+def direct_command(client: Any, *command: Any) -> Any:
+    """``client.execute_command(*command)`` for a plain (not cluster) client, without
+    redis-py's layers per command: a connection from the pool, the command sent, its
+    reply read, the connection given back.
+
+    What those layers add is not used here: the alias allows no retry (so the single
+    attempt needs no retry loop), no script reply has a response callback, and
+    redis-py's own per-command metrics are not recorded for these calls. They cost
+    about 16 µs a command on a 2-vCPU VM, as much as a lock script runs on the server
+    (``specs/backends/redis.md``, Client path). A connection whose reply did not come
+    (a timeout, a drop, an interrupt) is closed by redis-py's connection itself before
+    it goes back, so its next user cannot read the late reply as its own. A client
+    that keeps one connection (``single_connection_client``) takes the usual path."""
+    if client.connection is not None:
+        return client.execute_command(*command)
+    pool = client.connection_pool
+    connection = pool.get_connection()
+    try:
+        connection.send_command(*command)
+        return connection.read_response()
+    finally:
+        pool.release(connection)
+
+
 def map_redis_error(exc: BaseException, alias: str) -> LockError:
     """The ``LockError`` for a redis-py exception."""
     redis = _redis()
