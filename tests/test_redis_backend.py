@@ -119,6 +119,29 @@ def test_a_call_that_timed_out_leaves_no_late_reply_for_the_next_call(redis_serv
             backend.close()
 
 
+async def test_an_async_call_that_timed_out_leaves_no_late_reply_for_the_next_call(redis_server):
+    # The same for the asyncio client's path (client.adirect_command).
+    with FaultProxy(redis_server.port) as proxy:
+        url = f"redis://127.0.0.1:{proxy.port}/0"
+        options = {"OPERATION_TIMEOUT_MS": 300, "FENCES": "counter"}
+        backend = RedisBackend("late", {"LOCATION": url, "KEY_PREFIX": "alate", "OPTIONS": options})
+        try:
+            held = await backend.aacquire("late", 60_000)
+            assert (await backend.alookup(key="late")).fence == held.fence == "000000000000001"
+            assert await backend.ais_locked("free") is False
+            accepted = proxy.accepted
+            proxy.set_latency(250)
+            with pytest.raises(NetworkTimeout):
+                await backend.alookup(key="late")
+            proxy.set_latency(0)
+            assert await backend.ais_locked("free") is False
+            assert (await backend.alookup(key="late")).fence == "000000000000001"
+            assert proxy.accepted == accepted + 1
+        finally:
+            await backend.clients.aclose()  # this loop's client, before the proxy goes
+            backend.close()
+
+
 def test_a_single_connection_client_runs_the_scripts_on_its_connection(redis_server):
     backend = RedisBackend(
         "single",
@@ -137,6 +160,30 @@ def test_a_single_connection_client_runs_the_scripts_on_its_connection(redis_ser
         assert backend.client.connection is connection  # the same one throughout
         assert backend.client.connection_pool._created_connections == 1
     finally:
+        backend.close()
+
+
+async def test_a_single_connection_async_client_runs_the_scripts_on_its_connection(redis_server):
+    backend = RedisBackend(
+        "single",
+        {
+            "LOCATION": redis_server.url,
+            "KEY_PREFIX": f"asingle{uuid.uuid4().hex[:6]}",
+            "OPTIONS": {"CLIENT_KWARGS": {"single_connection_client": True}},
+        },
+    )
+    try:
+        held = await backend.aacquire("one", 60_000)
+        client = backend.clients.async_client()
+        connection = client.connection
+        assert connection is not None
+        assert (await backend.alookup(lock_id=held.lock_id)).fence == held.fence
+        assert (await backend.arelease(held.lock_id)).ok is True
+        assert client.connection is connection
+        pool = client.connection_pool
+        assert (list(pool._in_use_connections), pool._available_connections) == ([connection], [])
+    finally:
+        await backend.clients.aclose()
         backend.close()
 
 

@@ -75,6 +75,7 @@ from . import slots
 from .client import (
     CLIENT_OPTIONS,
     RedisClients,
+    adirect_command,
     direct_command,
     map_redis_error,
     no_script_error,
@@ -397,12 +398,13 @@ class RedisBackend(BaseLockBackend):
     async def _acall(self, name: str, keys: list[str], args: list[Any]) -> Any:
         scripts = self._async_scripts()
         script, client = scripts[name], scripts["_client"]
+        send = client.execute_command if self.cluster else partial(adirect_command, client)
         try:  # as _call does
             try:
-                return await client.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+                return await send("EVALSHA", script.sha, len(keys), *keys, *args)
             except no_script_error():
                 await client.script_load(script.script)
-                return await client.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+                return await send("EVALSHA", script.sha, len(keys), *keys, *args)
         except redis_error() as exc:
             raise map_redis_error(exc, self.alias) from exc
 

@@ -142,6 +142,20 @@ def direct_command(client: Any, *command: Any) -> Any:
         pool.release(connection)
 
 
+async def adirect_command(client: Any, *command: Any) -> Any:
+    """:func:`direct_command` for a ``redis.asyncio`` client (a cancelled call's
+    connection is closed by redis-py's connection, as a timed-out one is)."""
+    if client.single_connection_client:
+        return await client.execute_command(*command)
+    pool = client.connection_pool
+    connection = await pool.get_connection()
+    try:
+        await connection.send_command(*command)
+        return await connection.read_response()
+    finally:
+        await pool.release(connection)
+
+
 def map_redis_error(exc: BaseException, alias: str) -> LockError:
     """The ``LockError`` for a redis-py exception."""
     redis = _redis()
