@@ -24,7 +24,7 @@ from django_syncguard.backends.redis import wakeups as redis_wakeups
 from django_syncguard.backends.redis.wakeups import RedisWakeUps
 from django_syncguard.waiting import GRANT_WINDOW_MS, WaitTicket
 from django_syncguard.waiting.channels import Message
-from django_syncguard.waiting.tickets import QUEUE_AFTER_GRANT_MS, RECHECK_MARGIN_MS
+from django_syncguard.waiting.tickets import QUEUE_AFTER_GRANT_MS, RECHECK_MARGIN_MS, Grant
 from tests.support import redis_wakeup_workers as workers
 from tests.support.faults import wait_until
 from tests.support.harness import RedisHarness
@@ -68,6 +68,15 @@ def queued_threads():
     signals.lock_contended.connect(on_contended, weak=False)
     yield events
     signals.lock_contended.disconnect(on_contended)
+
+
+def test_a_message_on_the_process_channel_names_the_lock_hash_even_with_spaces():
+    own = redis_wakeups._own_message
+    name = "sg:a key: with spaces"  # a lock hash names the user key
+    assert own(f"g T L 2 123 {name}") == Message(name, "T", Grant("L", 2, 123))
+    assert own(f"n T {name}") == Message(name, "T", recheck=True)
+    for payload in ("T", "g T L 2 123", f"g T L x 123 {name}", "n T", "x T k", ""):
+        assert own(payload) is None, payload
 
 
 def test_the_backend_builds_redis_wake_ups(rh):

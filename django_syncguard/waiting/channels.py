@@ -108,6 +108,28 @@ class Message:
 Event = Confirmed | Message
 
 
+def process_message(payload: str, valid_channel: Callable[[str], bool] = bool) -> Message | None:
+    """A message on a process's own channel (grants), as one on the key's channel that
+    ends it: ``g <ticket> <lock id> <fence> <expires> <key channel>`` (the key was
+    granted to that ticket) or ``n <ticket> <key channel>`` (that ticket is next after
+    a grant: it re-checks once the grant's window is over). The key channel may hold
+    spaces (a Redis lock hash names the key); ``valid_channel`` judges it. None for
+    anything else (the caller logs it): nothing on this channel may be taken for a
+    key's wake-up."""
+    kind, _, rest = payload.partition(" ")
+    if kind == "g":
+        fields = rest.split(" ", 4)
+        if len(fields) == 5 and valid_channel(fields[4]):
+            grant = Grant.parse(fields[1:4])
+            if grant is not None:
+                return Message(fields[4], fields[0], grant)
+    elif kind == "n":
+        ticket, _, channel = rest.partition(" ")
+        if valid_channel(channel):
+            return Message(channel, ticket, recheck=True)
+    return None
+
+
 @dataclass(frozen=True, slots=True)
 class GrantCheck:
     """What checking a grant this process made found (see ``ChannelWorker.watch``):

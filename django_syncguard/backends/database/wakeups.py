@@ -54,7 +54,7 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 
 from ...keys import derived
 from ...waiting import Grant, WakeUps
-from ...waiting.channels import ChannelWorker, Deaf, Event, GrantCheck, Message
+from ...waiting.channels import ChannelWorker, Deaf, Event, GrantCheck, Message, process_message
 from .connections import close_quietly
 
 if TYPE_CHECKING:
@@ -276,19 +276,11 @@ def _message(channel: str, payload: str) -> Message:
 
 def _own_message(payload: str) -> Message | None:
     """A notification on the process's channel, as a message on the key's channel it
-    names: ``g <ticket> <lock id> <fence> <expires> <key channel>`` (the key was
-    granted to that ticket) or ``n <ticket> <key channel>`` (that ticket is next after
-    a grant: it re-checks once the grant's window is over). None for anything else
-    (logged): nothing on this channel may be taken for a key's wake-up."""
-    kind, *fields = payload.split(" ")
-    if kind == "g" and len(fields) == 5 and _CHANNEL.fullmatch(fields[4]):
-        grant = Grant.parse(fields[1:4])
-        if grant is not None:
-            return Message(fields[4], fields[0], grant)
-    elif kind == "n" and len(fields) == 2 and _CHANNEL.fullmatch(fields[1]):
-        return Message(fields[1], fields[0], recheck=True)
-    logger.debug("Ignored a malformed notification on the process channel: %r", payload[:200])
-    return None
+    names (see :func:`~django_syncguard.waiting.channels.process_message`)."""
+    message = process_message(payload, lambda channel: _CHANNEL.fullmatch(channel) is not None)
+    if message is None:
+        logger.debug("Ignored a malformed notification on the process channel: %r", payload[:200])
+    return message
 
 
 class PostgresWakeUps(ChannelWorker, DatabaseWakeUps):

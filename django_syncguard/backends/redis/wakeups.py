@@ -52,6 +52,7 @@ from ...waiting.channels import (
     GrantCheck,
     Message,
     Refused,
+    process_message,
 )
 from ...waiting.tickets import Grant
 from . import slots
@@ -129,23 +130,12 @@ class RedisTransport:
 
 
 def _own_message(payload: str) -> Message | None:
-    """A message on the process's channel, for the key whose lock hash ends it (a key
-    may contain spaces): ``g <ticket> <lock id> <fence> <expires> <hash>`` (the key
-    was granted to that ticket) or ``n <ticket> <hash>`` (that ticket is next after a
-    grant: it re-checks once the grant's window is over)."""
-    kind, _, rest = payload.partition(" ")
-    if kind == "g":
-        fields = rest.split(" ", 4)
-        if len(fields) == 5:
-            grant = Grant.parse(fields[1:4])
-            if grant is not None:
-                return Message(fields[4], fields[0], grant)
-    elif kind == "n":
-        ticket, _, channel = rest.partition(" ")
-        if channel:
-            return Message(channel, ticket, recheck=True)
-    logger.debug("Ignored a malformed message on the process channel: %r", payload[:200])
-    return None
+    """A message on the process's channel, for the key whose lock hash ends it (see
+    :func:`~django_syncguard.waiting.channels.process_message`)."""
+    message = process_message(payload)
+    if message is None:
+        logger.debug("Ignored a malformed message on the process channel: %r", payload[:200])
+    return message
 
 
 class SlotMoved(ConnectionError):
