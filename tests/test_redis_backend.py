@@ -142,15 +142,17 @@ async def test_an_async_call_that_timed_out_leaves_no_late_reply_for_the_next_ca
             backend.close()
 
 
-def test_a_single_connection_client_runs_the_scripts_on_its_connection(redis_server):
-    backend = RedisBackend(
-        "single",
-        {
-            "LOCATION": redis_server.url,
-            "KEY_PREFIX": f"single{uuid.uuid4().hex[:6]}",
-            "OPTIONS": {"CLIENT_KWARGS": {"single_connection_client": True}},
-        },
+def single_connection_backend(server: RedisServer) -> RedisBackend:
+    """A backend whose redis-py clients keep one connection each."""
+    options = {"CLIENT_KWARGS": {"single_connection_client": True}}
+    prefix = f"single{uuid.uuid4().hex[:6]}"
+    return RedisBackend(
+        "single", {"LOCATION": server.url, "KEY_PREFIX": prefix, "OPTIONS": options}
     )
+
+
+def test_a_single_connection_client_runs_the_scripts_on_its_connection(redis_server):
+    backend = single_connection_backend(redis_server)
     try:
         connection = backend.client.connection
         assert connection is not None
@@ -164,14 +166,7 @@ def test_a_single_connection_client_runs_the_scripts_on_its_connection(redis_ser
 
 
 async def test_a_single_connection_async_client_runs_the_scripts_on_its_connection(redis_server):
-    backend = RedisBackend(
-        "single",
-        {
-            "LOCATION": redis_server.url,
-            "KEY_PREFIX": f"asingle{uuid.uuid4().hex[:6]}",
-            "OPTIONS": {"CLIENT_KWARGS": {"single_connection_client": True}},
-        },
-    )
+    backend = single_connection_backend(redis_server)
     try:
         held = await backend.aacquire("one", 60_000)
         client = backend.clients.async_client()
