@@ -641,7 +641,9 @@ def test_timeouts_and_single_attempt_are_set_on_the_pool():
     kwargs = backend.client.connection_pool.connection_kwargs
     assert kwargs["socket_connect_timeout"] == 1.5
     assert kwargs["socket_timeout"] == 0.7
-    assert kwargs["retry"].get_retries() == 0
+    retry = kwargs["retry"]
+    # (redis-py before 5.3 has no get_retries(): the floor's tox cell runs this too)
+    assert (retry.get_retries() if hasattr(retry, "get_retries") else retry._retries) == 0
 
 
 def test_missing_extra_names_the_pip_command(monkeypatch):

@@ -13,6 +13,8 @@ the server (Sentinel, Cluster) is code in this module only.
 from __future__ import annotations
 
 import asyncio
+import functools
+import inspect
 import threading
 import weakref
 from collections.abc import Mapping
@@ -59,7 +61,15 @@ _UNAVAILABLE_REPLIES = (
     "MOVED",
     "ASK",
 )
-_AUTH_REPLIES = ("NOAUTH", "WRONGPASS", "NOPERM")
+_AUTH_REPLIES = (
+    "NOAUTH",
+    "WRONGPASS",
+    "NOPERM",
+    # A server that wants a password refuses a longer request than a few arguments
+    # before it has one (a script's EVALSHA; redis-py before 8 sends no HELLO first,
+    # which would have been told NOAUTH).
+    "PROTOCOL ERROR: UNAUTHENTICATED",
+)
 
 
 def _redis() -> Any:
@@ -118,6 +128,24 @@ def redis_lost_reply_errors() -> tuple[tuple[type[Exception], ...], tuple[type[E
     return (errors.TimeoutError, errors.ConnectionError), never_sent
 
 
+@functools.cache
+def _pool_wants_the_command_name() -> bool:
+    """Whether redis-py's ``ConnectionPool.get_connection`` requires the command's name
+    (before 5.3, which ignores it) rather than warn when given one (5.3 and later)."""
+    parameter = inspect.signature(_redis().ConnectionPool.get_connection).parameters.get(
+        "command_name"
+    )
+    return parameter is not None and parameter.default is inspect.Parameter.empty
+
+
+def pooled_connection(pool: Any, command_name: str) -> Any:
+    """``pool.get_connection()`` (awaitable for an asyncio pool), with the command's
+    name where redis-py before 5.3 requires it."""
+    if _pool_wants_the_command_name():
+        return pool.get_connection(command_name)
+    return pool.get_connection()
+
+
 def direct_command(client: Any, *command: Any) -> Any:
     """``client.execute_command(*command)`` for a plain (not cluster) client, without
     redis-py's layers per command: a connection from the pool, the command sent, its
@@ -134,7 +162,7 @@ def direct_command(client: Any, *command: Any) -> Any:
     if client.connection is not None:
         return client.execute_command(*command)
     pool = client.connection_pool
-    connection = pool.get_connection()
+    connection = pooled_connection(pool, command[0])
     try:
         connection.send_command(*command)
         return connection.read_response()
@@ -148,7 +176,7 @@ async def adirect_command(client: Any, *command: Any) -> Any:
     if client.single_connection_client:
         return await client.execute_command(*command)
     pool = client.connection_pool
-    connection = await pool.get_connection()
+    connection = await pooled_connection(pool, command[0])
     try:
         await connection.send_command(*command)
         return await connection.read_response()

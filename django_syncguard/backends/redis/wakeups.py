@@ -56,7 +56,7 @@ from ...waiting.channels import (
 )
 from ...waiting.tickets import Grant
 from . import slots
-from .client import redirect_errors, redis_response_error
+from .client import pooled_connection, redirect_errors, redis_response_error
 
 if TYPE_CHECKING:
     from .backend import RedisBackend
@@ -117,7 +117,7 @@ class RedisTransport:
         pool = self._new_pool()
         try:
             # Connects: AUTH, SELECT, within the backend's timeouts.
-            subscriber = _Subscriber(pool, pool.get_connection(), self._timeout_s)
+            subscriber = _Subscriber(pool, pooled_connection(pool, "SUBSCRIBE"), self._timeout_s)
             if self.process_channel is not None:
                 # First on the connection: confirmed before any key's channel, so
                 # before any ticket that names it is queued.
@@ -270,7 +270,9 @@ class _ClusterSubscriber:
         if subscriber is None:
             pool = self.clients.node_pubsub_pool(node.host, node.port)
             try:
-                subscriber = _Subscriber(pool, pool.get_connection(), self.timeout_s, shard=True)
+                subscriber = _Subscriber(
+                    pool, pooled_connection(pool, "SSUBSCRIBE"), self.timeout_s, shard=True
+                )
                 self.selector.register(subscriber.fileno(), selectors.EVENT_READ)
             except BaseException:
                 pool.disconnect()
