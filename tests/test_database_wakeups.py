@@ -54,7 +54,12 @@ from django_syncguard.waiting.tickets import QUEUE_AFTER_GRANT_MS
 from tests.support import wakeup_workers
 from tests.support.faults import wait_until
 from tests.support.harness import SqliteHarness
-from tests.support.processes import assert_delayed_by_the_grant_window, sigkill
+from tests.support.processes import (
+    QUIET_WAITER,
+    assert_delayed_by_the_grant_window,
+    quiet_check_ins,
+    sigkill,
+)
 from tests.support.proxy import FaultProxy
 
 TTL = 60_000
@@ -585,7 +590,7 @@ def recorded(backend: DatabaseBackend) -> list[Message]:
 @on_postgres
 @pytest.mark.parametrize("watching", [True, False], ids=["releaser-checks", "next-told"])
 def test_a_waiter_killed_first_in_line_delays_the_key_by_its_grant_window(
-    pg, other, children, watching
+    pg, other, children, watching, monkeypatch
 ):
     """A process queued first is killed (SIGKILL); the release grants it the key anyway
     (its ticket is still live), on its process's channel, which nobody hears any more.
@@ -618,8 +623,9 @@ def test_a_waiter_killed_first_in_line_delays_the_key_by_its_grant_window(
     assert queued.wait(wakeup_workers.PATIENCE_S)
     signals.lock_contended.connect(contended, weak=False)
     thread = threading.Thread(
-        target=lock, args=(body,), kwargs={"key": key, "using": pg, "ttl_ms": TTL}
+        target=lock, args=(body,), kwargs={"key": key, "using": pg, "ttl_ms": TTL, **QUIET_WAITER}
     )
+    quiet_check_ins(monkeypatch)
     try:
         thread.start()
         assert second.wait(WAKE_S)  # queued behind the child

@@ -28,7 +28,13 @@ from django_syncguard.waiting.tickets import QUEUE_AFTER_GRANT_MS, RECHECK_MARGI
 from tests.support import redis_wakeup_workers as workers
 from tests.support.faults import wait_until
 from tests.support.harness import RedisHarness
-from tests.support.processes import Children, assert_delayed_by_the_grant_window, sigkill
+from tests.support.processes import (
+    QUIET_WAITER,
+    Children,
+    assert_delayed_by_the_grant_window,
+    quiet_check_ins,
+    sigkill,
+)
 from tests.test_fork import Forked
 
 TTL = 60_000
@@ -443,7 +449,7 @@ def test_lock_admits_threads_and_a_process_in_the_order_they_queued(rh, queued_t
 @pytest.mark.slow
 @pytest.mark.parametrize("watching", [True, False], ids=["releaser-checks", "next-told"])
 def test_a_waiter_killed_first_in_line_delays_the_key_by_its_grant_window(
-    rh, queued_threads, watching
+    rh, queued_threads, watching, monkeypatch
 ):
     """A process queued first is killed (SIGKILL); the release grants it the key
     anyway (its ticket is still live). Nobody claims the grant: it lapses after
@@ -473,8 +479,9 @@ def test_a_waiter_killed_first_in_line_delays_the_key_by_its_grant_window(
         def body() -> None:
             entered.append((time.monotonic(), current_lock().fence))
 
-        lock(body, key=key, using=waiter, ttl_ms=TTL, timeout_ms=60_000)
+        lock(body, key=key, using=waiter, ttl_ms=TTL, **QUIET_WAITER)
 
+    quiet_check_ins(monkeypatch)
     try:
         queued, results = children.ctx.Event(), children.ctx.Queue()
         children.start(workers.queued_waiter, rh.url, rh.prefix, key, queued, results)

@@ -67,6 +67,27 @@ def sigkill(process: Any, timeout_s: float = 10.0) -> None:
     assert process.exitcode == -signal.SIGKILL
 
 
+#: ``lock()`` options of a waiter that makes no attempt of its own while it waits: only
+#: a wake-up moves it (with :func:`quiet_check_ins`, its check-ins are as far off). A
+#: test of who notices a lapsed grant needs it: a retry or a check-in that lands just
+#: after the lapse (the default schedule's attempts are random) would take the key
+#: before the notice under test, and the test would see nothing heard.
+QUIET_WAITER: dict[str, Any] = {
+    "retry_delay_ms": 60_000,
+    "backoff": "fixed",
+    "jitter": "none",
+    "timeout_ms": 60_000,
+}
+
+
+def quiet_check_ins(monkeypatch: Any) -> None:
+    """Check-ins of this process's waiters a minute apart (a ticket keeps the patience
+    it was drawn with, so a queued waiter stays live for the usual 2 s)."""
+    from django_syncguard.waiting import tickets
+
+    monkeypatch.setattr(tickets, "CHECK_IN_MS", 60_000)
+
+
 def assert_delayed_by_the_grant_window(
     entered: list[tuple[float, str]], released_at: float
 ) -> None:
