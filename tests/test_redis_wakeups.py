@@ -85,6 +85,67 @@ def test_a_message_on_the_process_channel_names_the_lock_hash_even_with_spaces()
         assert own(payload) is None, payload
 
 
+@pytest.fixture(params=["socket", "redis-py"])
+def reads(request, monkeypatch):
+    """The subscriber's two ways of reading its replies (``client.socket_reader``):
+    straight off the socket with hiredis (the default), or through redis-py's
+    connection (without hiredis, over TLS, on a blocking socket)."""
+    if request.param == "redis-py":
+        monkeypatch.setattr(redis_wakeups, "socket_reader", lambda connection: None)
+    return request.param
+
+
+def subscriber_reads(backend: RedisBackend) -> str:
+    connection = backend.wake_ups._connection
+    assert connection is not None
+    return "redis-py" if connection._socket is None else "socket"
+
+
+def test_a_grant_is_read_the_same_either_way(rh, reads):
+    backend, mine = rh.redis, ticket()
+    listener = backend.wake_ups.listen("x:reads", mine.id)
+    try:
+        assert subscriber_reads(backend) == reads
+        held = backend.acquire("x:reads", TTL)
+        assert backend.acquire("x:reads", TTL, ticket=mine).queue_position == 0
+        assert backend.release(held.lock_id).ok
+        assert listener.wait(WAKE_S, None) is True
+        assert listener.grant is not None
+        assert listener.grant.fence == 2
+        assert backend.lookup_raw(lock_id=listener.grant.lock_id).fence == "000000000000002"
+    finally:
+        listener.close()
+
+
+def test_a_refused_subscription_is_read_as_refused_either_way(rh, reads, caplog):
+    admin = rh.redis.client
+    admin.acl_setuser(
+        "nosubscribe",
+        enabled=True,
+        passwords=["+pw"],
+        keys=["*"],
+        channels=["*"],
+        commands=["+@all", "-subscribe"],
+    )
+    options = {"FENCES": "counter", "CLIENT_KWARGS": {"username": "nosubscribe", "password": "pw"}}
+    params = {"LOCATION": rh.url, "KEY_PREFIX": rh.prefix, "OPTIONS": options}
+    backend = RedisBackend("refused", params)
+    try:
+        with caplog.at_level(logging.WARNING, logger="django_syncguard.backends.redis"):
+            listener = backend.wake_ups.listen("x:refused", ticket().id)
+            try:
+                assert listener.healthy is False  # its waiter polls
+                refusal = "this user has no permissions to run the 'subscribe' command"
+                wait_until(lambda: refusal in caplog.text, WAKE_S, "the refusal is logged")
+            finally:
+                listener.close()
+        assert f"Refused({refusal!r})" in caplog.text  # not a lost connection
+        assert backend.wake_ups.state.value == "down"
+    finally:
+        backend.close()
+        admin.acl_deluser("nosubscribe")
+
+
 def test_the_backend_builds_redis_wake_ups(rh):
     assert isinstance(rh.redis.wake_ups, RedisWakeUps)
     assert rh.redis.wake_ups.reaches_other_processes is True

@@ -658,15 +658,20 @@ class ChannelWorker(WakeUps):
             selector.register(self._poke_r, selectors.EVENT_READ)
             if fd is not None:
                 selector.register(fd, selectors.EVENT_READ)
+            poked = True  # a waiter may have poked before the thread started
             while not self._stop.is_set() and self._mine():
-                # Deliver first: a wake-up is what a waiter is waiting for.
+                # Deliver first: a wake-up is what a waiter is waiting for (the pokes
+                # are drained after it, and only when there are some: a wake-up must
+                # not wait for a read of the socket pair that finds nothing).
                 self._handle(connection.receive())
+                if poked:
+                    self._drain_pokes()
                 next_expiry = self._reconcile(connection)
                 if next_expiry is None:
                     return
                 timeout = min(next_expiry, connection.check(), MAX_SELECT_S, self._claim_due())
-                selector.select(max(timeout, 0.0))
-                self._drain_pokes()
+                ready = selector.select(max(timeout, 0.0))
+                poked = any(key.fileobj is self._poke_r for key, _ in ready)
 
     def _reconcile(self, connection: Connection) -> float | None:
         """Send what the waiters need; seconds until an idle channel (or the idle

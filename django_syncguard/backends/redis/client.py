@@ -15,9 +15,11 @@ from __future__ import annotations
 import asyncio
 import functools
 import inspect
+import os
+import ssl
 import threading
 import weakref
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any, cast
 
 from django.core.exceptions import ImproperlyConfigured
@@ -168,6 +170,71 @@ def direct_command(client: Any, *command: Any) -> Any:
         return connection.read_response()
     finally:
         pool.release(connection)
+
+
+#: The most a :class:`SocketReader` reads at once.
+_READ_SIZE = 65536
+
+
+class SocketReader:
+    """The replies waiting on a pub/sub connection, read from its socket by a hiredis
+    reader without blocking (see :func:`socket_reader`)."""
+
+    def __init__(self, fd: int, reader: Any) -> None:
+        self._fd = fd
+        self._reader = reader
+
+    def replies(self) -> Iterator[Any]:
+        """Each complete reply already received, in order; an error reply is raised
+        (as redis-py's exception for it); a closed connection raises ConnectionError."""
+        reader, more = self._reader, True
+        while True:
+            reply = reader.gets()
+            if reply is False:
+                if not more:
+                    # The last read did not fill the buffer: the socket was empty then,
+                    # and whatever came since makes the selector ready again. (One read
+                    # fewer per wake-up: it would only end in BlockingIOError.)
+                    return
+                try:
+                    data = os.read(self._fd, _READ_SIZE)
+                except BlockingIOError:
+                    return
+                if not data:
+                    raise _redis().ConnectionError("The Redis server closed the connection.")
+                reader.feed(data)
+                more = len(data) == _READ_SIZE
+                continue
+            if isinstance(reply, Exception):
+                raise reply
+            yield reply
+
+
+def socket_reader(connection: Any) -> SocketReader | None:
+    """A :class:`SocketReader` over ``connection``'s socket, or None where redis-py's
+    own reads must do (``connection.can_read(0)``, ``read_response()``): without
+    hiredis, over TLS, on a blocking socket (no operation timeout) or on Windows.
+
+    Why: a subscriber reads after every wake-up, and redis-py's non-blocking read
+    turns the socket's timeout off and on again around a ``recv`` that ends in an
+    exception when nothing more came, twice a message. On a wake-up, after the
+    process sat idle through a hold, that path cost the hand-off about 0.1 ms
+    (``specs/backends/redis.md``, Client path). Socket errors surface as ``OSError``:
+    the subscriber's connection counts as lost, as with redis-py's reads."""
+    try:
+        import hiredis
+    except ImportError:
+        return None
+    sock = getattr(connection, "_sock", None)
+    if sock is None or os.name == "nt" or isinstance(sock, ssl.SSLSocket):
+        return None
+    if sock.gettimeout() is None:
+        return None  # a blocking descriptor: a read without data would wait
+    reader = hiredis.Reader(
+        protocolError=_redis().exceptions.InvalidResponse,
+        replyError=connection._parser.parse_error,  # redis-py's exception per reply
+    )
+    return SocketReader(sock.fileno(), reader)
 
 
 async def adirect_command(client: Any, *command: Any) -> Any:

@@ -34,34 +34,39 @@ local function hdel_all(h, names)
     redis.call('HDEL', h, unpack(names, j, math.min(j + 499, #names)))
   end
 end
--- The live waiters of hash h as {ticket id = arrival}, their count, and the id of the
--- first; stale ones (live until <= now) are deleted.
+-- The queue of hash h, read in one HGETALL: {live = {ticket id = arrival}, count =
+-- how many are live, head = the id of the first, records = {ticket id = its 't:'},
+-- f = the fence field}. Stale waiters (live until <= now) are deleted.
 local function queue_load(h, now)
   local all = redis.call('HGETALL', h)
-  local live, stale, count, head, first = {}, {}, 0, nil, nil
+  local live, records, stale, count, head, first, f = {}, {}, {}, 0, nil, nil, nil
   for j = 1, #all, 2 do
     local name = all[j]
-    if string.sub(name, 1, 2) == 'w:' then
+    local kind = string.sub(name, 1, 2)
+    if kind == 'w:' then
       local value = all[j + 1]
       local space = string.find(value, ' ', 1, true)
       local arrival = tonumber(string.sub(value, 1, space - 1))
+      local id = string.sub(name, 3)
       if tonumber(string.sub(value, space + 1)) > now then
-        local id = string.sub(name, 3)
         live[id] = arrival
         count = count + 1
         if first == nil or arrival < first then
           head, first = id, arrival
         end
       else
-        local id = string.sub(name, 3)
         stale[#stale + 1] = name
         stale[#stale + 1] = 's:' .. id
         stale[#stale + 1] = 't:' .. id
       end
+    elseif kind == 't:' then
+      records[string.sub(name, 3)] = all[j + 1]
+    elseif name == 'f' then
+      f = all[j + 1]
     end
   end
   hdel_all(h, stale)
-  return live, count, head
+  return {live = live, count = count, head = head, records = records, f = f}
 end
 -- Record the number of waiters (only when it changed); an empty queue leaves no field.
 local function queue_store(h, count, stored)
@@ -74,26 +79,30 @@ local function queue_store(h, count, stored)
     redis.call('HDEL', h, 'q', 'n')
   end
 end
--- Hand the free key h to the waiter of ticket ``head``, in this script (a grant):
--- the lock its record 't:' asked for is written as an acquire would write it, plus
--- 'g' = the claim deadline and 'G' = the ticket. The grant is published on the
--- waiter's process channel as 'g <ticket> <lock id> <fence> <expires> <hash>' (or,
--- without one, on the key's as '<ticket> <lock id> <fence> <expires>'). Unless
+-- Hand the free key h to the waiter at the head of queue q (queue_load), in this
+-- script (a grant): the lock its record 't:' asked for is written as an acquire would
+-- write it, plus 'g' = the claim deadline and 'G' = the ticket. The grant is published
+-- on the waiter's process channel as 'g <ticket> <lock id> <fence> <expires> <hash>'
+-- (or, without one, on the key's as '<ticket> <lock id> <fence> <expires>'). Unless
 -- ``watched`` (the caller's process checks the grant once its window is over, see
--- CHECK_GRANT), the next live waiter's process hears 'n <ticket> <hash>' (it
--- re-checks then itself). False (nothing written) when the ticket left no record (a
--- waiter of a version without grants) or the fence would pass the maximum: the caller
--- only wakes it then. The record, written by ACQUIRE: {lock id, index key, floor key,
--- ttl ms, fence mode, max fence, owner, user key, tolerance ms, grant window ms,
--- process channel or ""}, numbers as strings. ``live`` is the queue (queue_load).
-local function grant(h, now, head, live, watched)
-  local record = redis.call('HGET', h, 't:' .. head)
+-- CHECK_GRANT), the next live waiter's process hears 'n <ticket> <hash>' (it re-checks
+-- then itself). With ``final``, the count of waiters left ('q') is written too, in the
+-- same HSET (the caller writes it otherwise). False (nothing written) when the ticket
+-- left no record (a waiter of a version without grants) or the fence would pass the
+-- maximum: the caller only wakes it then. The record, written by ACQUIRE: {lock id,
+-- index key, floor key, ttl ms, fence mode, max fence, owner, user key, tolerance ms,
+-- grant window ms, process channel or ""}, numbers as strings.
+-- Every write of the hash is one HDEL and one HSET: each call a script makes costs
+-- the server microseconds, several times more on a core that sat idle through a hold,
+-- and a release's grant is the hand-off's critical path.
+local function grant(h, now, q, watched, final)
+  local head = q.head
+  local record = q.records[head]
   if not record then
     return false
   end
   local r = cjson.decode(record)
-  local fence = math.max(tonumber(redis.call('HGET', h, 'f')) or 0,
-    tonumber(redis.call('GET', r[3])) or 0) + 1
+  local fence = math.max(tonumber(q.f) or 0, tonumber(redis.call('GET', r[3])) or 0) + 1
   if r[5] == 'clock' then
     fence = math.max(fence, now)
   end
@@ -101,17 +110,27 @@ local function grant(h, now, head, live, watched)
     return false
   end
   local expires = now + tonumber(r[4])
-  redis.call('HDEL', h, 'w:' .. head, 's:' .. head, 't:' .. head)
+  local gone = {'w:' .. head, 's:' .. head, 't:' .. head}
   local fields = {'f', fence, 'i', r[1], 'e', expires, 'a', now,
     'g', now + tonumber(r[10]), 'G', head}
   if r[8] ~= '' then
     fields[#fields + 1], fields[#fields + 2] = 'k', r[8]
+  else
+    gone[#gone + 1] = 'k'
   end
   if r[7] ~= '' then
     fields[#fields + 1], fields[#fields + 2] = 'o', r[7]
   else
-    redis.call('HDEL', h, 'o')
+    gone[#gone + 1] = 'o'
   end
+  if final then
+    if q.count > 1 then
+      fields[#fields + 1], fields[#fields + 2] = 'q', q.count - 1
+    else
+      gone[#gone + 1], gone[#gone + 2] = 'q', 'n'
+    end
+  end
+  redis.call('HDEL', h, unpack(gone))
   redis.call('HSET', h, unpack(fields))
   redis.call('SET', r[2], h, 'PX', tonumber(r[4]) + tonumber(r[9]))
   local message = string.format('%s %s %d %d', head, r[1], fence, expires)
@@ -124,12 +143,12 @@ local function grant(h, now, head, live, watched)
     return true
   end
   local second, first = nil, nil
-  for id, arrival in pairs(live) do
+  for id, arrival in pairs(q.live) do
     if id ~= head and (first == nil or arrival < first) then
       second, first = id, arrival
     end
   end
-  local after = second and redis.call('HGET', h, 't:' .. second)
+  local after = second and q.records[second]
   if after then
     local channel = cjson.decode(after)[11] or ''
     if channel ~= '' then
@@ -139,19 +158,23 @@ local function grant(h, now, head, live, watched)
   return true
 end
 -- The key is free: grant it to the first live waiter (returns its ticket), or wake
--- that waiter (only it).
-local function wake_next(h, now, stored, watched)
-  local live, count, head = queue_load(h, now)
-  local granted = nil
-  if head and grant(h, now, head, live, watched) then
-    count, granted = count - 1, head
-  elseif head then
+-- that waiter (only it). With ``clear``, the lock fields of the holder that left are
+-- removed first, unless the grant overwrites them.
+local function wake_next(h, now, stored, watched, clear)
+  local q = queue_load(h, now)
+  if q.head and grant(h, now, q, watched, true) then
+    return q.head
+  end
+  if clear then
+    redis.call('HDEL', h, 'i', 'e', 'k', 'o', 'g', 'G')
+  end
+  if q.head then
     -- pcall: an ACL that denies this user channels must not fail a release whose
     -- writes are done (its waiters cannot subscribe either: they poll).
-    redis.pcall('PUBLISH', h, head)
+    redis.pcall('PUBLISH', h, q.head)
   end
-  queue_store(h, count, stored)
-  return granted
+  queue_store(h, q.count, stored)
+  return nil
 end
 """
 
@@ -206,12 +229,13 @@ if waiting > 0 or not free then
 """
     + _QUEUE
     + """
-  local live, count, head = queue_load(KEYS[1], now)
+  local q = queue_load(KEYS[1], now)
+  local live, count, head = q.live, q.count, q.head
   local granted = nil
   if free and head ~= nil and head ~= ticket then
     -- Free, and another waiter is first: a lease ran out, or a grant lapsed, and this
     -- attempt is the first to notice. The key goes to that waiter now.
-    if grant(KEYS[1], now, head, live, ARGV[11] == '1') then
+    if grant(KEYS[1], now, q, ARGV[11] == '1', false) then
       if ARGV[11] == '1' then
         granted = head
       end
@@ -308,14 +332,16 @@ end
 RELEASE = (
     _RESOLVE
     + """
-redis.call('HDEL', lock, 'i', 'e', 'k', 'o', 'g', 'G')
 redis.call('DEL', KEYS[1])
 local waiting = tonumber(cur[3]) or 0
-if waiting > 0 then
+if waiting == 0 then
+  redis.call('HDEL', lock, 'i', 'e', 'k', 'o', 'g', 'G')
+else
 """
     + _QUEUE
     + """
-  local granted = wake_next(lock, now, waiting, ARGV[3] == '1')
+  -- The lock fields go in wake_next: a grant overwrites them instead.
+  local granted = wake_next(lock, now, waiting, ARGV[3] == '1', true)
   if granted and ARGV[3] == '1' then
     return {1, granted, lock}
   end
@@ -344,10 +370,10 @@ end
 local cur = redis.call('HMGET', KEYS[1], 'i', 'e', 'q', 'g', 'G')
 local waiting = tonumber(cur[3]) or 0
 if cur[1] and cur[5] == ARGV[1] then
-  redis.call('HDEL', KEYS[1], 'i', 'e', 'k', 'o', 'g', 'G')
   if waiting > 0 then
-    return watched_grant(wake_next(KEYS[1], now, waiting, ARGV[3] == '1'))
+    return watched_grant(wake_next(KEYS[1], now, waiting, ARGV[3] == '1', true))
   end
+  redis.call('HDEL', KEYS[1], 'i', 'e', 'k', 'o', 'g', 'G')
   return 1
 end
 if waiting == 0 or redis.call('HDEL', KEYS[1], 'w:' .. ARGV[1]) == 0 then
@@ -358,7 +384,7 @@ if cur[1] and tonumber(cur[2]) > now - tonumber(ARGV[2]) and not lapsed(cur[4], 
   queue_store(KEYS[1], waiting - 1, waiting)
   return 1
 end
-return watched_grant(wake_next(KEYS[1], now, waiting, ARGV[3] == '1'))
+return watched_grant(wake_next(KEYS[1], now, waiting, ARGV[3] == '1', false))
 """
 )
 
@@ -382,13 +408,14 @@ local left = tonumber(cur[3]) - now
 if left > 0 then
   return {2, left}
 end
-redis.call('HDEL', KEYS[1], 'i', 'e', 'k', 'o', 'g', 'G')
 local waiting = tonumber(cur[2]) or 0
-if waiting > 0 then
-  local granted = wake_next(KEYS[1], now, waiting, ARGV[2] == '1')
-  if granted and ARGV[2] == '1' then
-    return {1, granted}
-  end
+if waiting == 0 then
+  redis.call('HDEL', KEYS[1], 'i', 'e', 'k', 'o', 'g', 'G')
+  return {1}
+end
+local granted = wake_next(KEYS[1], now, waiting, ARGV[2] == '1', true)
+if granted and ARGV[2] == '1' then
+  return {1, granted}
 end
 return {1}
 """

@@ -16,7 +16,8 @@ What is Redis's own:
   connection, and a lost connection is exactly what the waiters must learn about: a
   wake-up published meanwhile is gone. :class:`_Subscriber` speaks the four pub/sub
   replies itself (``subscribe``, ``unsubscribe``, ``message``, ``pong``), on RESP2,
-  on a connection from :meth:`~.client.RedisClients.pubsub_connection_pool`.
+  on a connection from :meth:`~.client.RedisClients.pubsub_connection_pool`, and
+  reads them off the socket itself where it can (:func:`~.client.socket_reader`).
 * **Replies in flight**: a channel subscribed, unsubscribed and subscribed again
   before the server answered counts as confirmed only at the last reply.
 * **Health**: after :data:`HEALTH_CHECK_S` without a byte from the server the
@@ -41,7 +42,7 @@ from __future__ import annotations
 import logging
 import selectors
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ...keys import generate_lock_id
@@ -56,7 +57,7 @@ from ...waiting.channels import (
 )
 from ...waiting.tickets import Grant
 from . import slots
-from .client import pooled_connection, redirect_errors, redis_response_error
+from .client import pooled_connection, redirect_errors, redis_response_error, socket_reader
 
 if TYPE_CHECKING:
     from .backend import RedisBackend
@@ -158,6 +159,9 @@ class _Subscriber:
         self.ping_deadline: float | None = None
         self.failed: Exception | None = None
         self.own_channel: str | None = None  # the process's channel (grants), if any
+        # Replies read off the socket directly where it can be (see socket_reader);
+        # else through redis-py's connection.
+        self._socket = socket_reader(connection)
 
     def fileno(self) -> int:
         # redis-py has no public accessor for the socket; the selector needs it.
@@ -184,22 +188,31 @@ class _Subscriber:
             raise self.failed
         events: list[Event] = []
         try:
-            while self.connection.can_read(0):
-                try:
-                    reply = self.connection.read_response()
-                except redirect_errors() as exc:
-                    raise SlotMoved(f"a subscription went to a node that moved: {exc}") from exc
-                except redis_response_error() as exc:
-                    raise Refused(str(exc)) from exc
-                self.heard, self.ping_deadline = time.monotonic(), None
-                event = self._event(reply)
-                if event is not None:
-                    events.append(event)
+            try:
+                for reply in self._replies():
+                    self.heard, self.ping_deadline = time.monotonic(), None
+                    event = self._event(reply)
+                    if event is not None:
+                        events.append(event)
+            except redirect_errors() as exc:
+                raise SlotMoved(f"a subscription went to a node that moved: {exc}") from exc
+            except redis_response_error() as exc:
+                raise Refused(str(exc)) from exc
         except Exception as exc:
             if not events:
                 raise
             self.failed = exc  # what arrived before it is delivered first
         return events
+
+    def _replies(self) -> Iterator[Any]:
+        """The replies that have arrived, without waiting for more."""
+        if self._socket is not None:
+            return self._socket.replies()
+        return self._redis_py_replies()
+
+    def _redis_py_replies(self) -> Iterator[Any]:
+        while self.connection.can_read(0):
+            yield self.connection.read_response()
 
     def _event(self, reply: Any) -> Event | None:
         if not isinstance(reply, list):
