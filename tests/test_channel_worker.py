@@ -70,6 +70,7 @@ class LocalChannel:
     idle_cap = 1
     max_channels = None
     connection_name = "local connection"
+    let_waiters_read = False
     logger = logging.getLogger("tests.channel_worker")
 
     def __init__(self) -> None:

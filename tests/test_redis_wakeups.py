@@ -801,3 +801,116 @@ def test_a_forked_child_does_not_inherit_the_redis_backends_held_locks(rh):
     finally:
         for lock_ in held:
             lock_.release()
+
+
+@pytest.fixture
+def deliveries(rh, monkeypatch):
+    """(ticket, name of the delivering thread) for every wake-up delivered here."""
+    seen: list[tuple[str | None, str]] = []
+    wake_ups = rh.redis.wake_ups
+    original = wake_ups.deliver
+
+    def deliver(key, ticket_id=None, grant=None):
+        seen.append((ticket_id, threading.current_thread().name))
+        return original(key, ticket_id, grant)
+
+    monkeypatch.setattr(wake_ups, "deliver", deliver)
+    return seen
+
+
+def waiting_thread(listener, name: str) -> tuple[threading.Thread, dict]:
+    """A thread named ``name`` blocked in ``listener.wait``; its outcome in the dict."""
+    outcome: dict = {}
+    thread = threading.Thread(
+        target=lambda: outcome.setdefault("woken", listener.wait(WAKE_S, None)), name=name
+    )
+    thread.start()
+    return thread, outcome
+
+
+def test_a_waiting_thread_reads_its_own_grant_then_the_worker_reads_again(rh, deliveries):
+    backend = rh.redis
+    wake_ups, first, second = backend.wake_ups, ticket(), ticket()
+    leader = wake_ups.listen("x:lead", first.id)
+    try:
+        held = backend.acquire("x:lead", TTL)
+        assert backend.acquire("x:lead", TTL, ticket=first).queue_position == 0
+        thread, outcome = waiting_thread(leader, "first-waiter")
+        wait_until(lambda: wake_ups._leader is leader, WAKE_S, "the waiting thread leads")
+        assert backend.release(held.lock_id).ok
+        thread.join(WAKE_S)
+        # Read and delivered by the waiting thread itself: no second thread woken.
+        assert outcome == {"woken": True}
+        assert deliveries == [(first.id, "first-waiter")]
+        assert wake_ups._leader is None
+        # The worker's thread reads again (it takes the connection back within
+        # LEAD_PARK_S): a waiter that does not lead is woken by it.
+        follower = wake_ups.listen("x:lead", second.id)
+        try:
+            assert backend.acquire("x:lead", TTL, ticket=second).queue_position == 0
+            assert backend.release(leader.grant.lock_id).ok
+            assert follower._event.wait(WAKE_S) is True  # not wait(): it would lead
+            assert deliveries[1] == (second.id, wake_ups._thread.name)
+            assert follower.grant is not None
+        finally:
+            follower.close()
+    finally:
+        leader.close()
+
+
+def test_a_connection_lost_under_a_leader_wakes_it_and_comes_back(rh):
+    backend = rh.redis
+    wake_ups, mine = backend.wake_ups, ticket()
+    listener = wake_ups.listen("x:lead-lost", mine.id)
+    try:
+        held = backend.acquire("x:lead-lost", TTL)
+        assert backend.acquire("x:lead-lost", TTL, ticket=mine).queue_position == 0
+        thread, outcome = waiting_thread(listener, "leading-waiter")
+        wait_until(lambda: wake_ups._leader is listener, WAKE_S, "the waiting thread leads")
+        failures = wake_ups._failures
+        assert backend.client.client_kill_filter(_type="pubsub") == 1
+        thread.join(WAKE_S)
+        # The leader met the closed connection; the worker reconnected; the waiter was
+        # woken by the loss (it tries once at once, then polls until healthy again).
+        assert outcome == {"woken": True}
+        assert wake_ups.wait_connected(WAKE_S) is True
+        assert wake_ups._failures == failures + 1
+        assert wake_ups._leader is None
+        assert listener.healthy is False  # registered before the loss
+        assert backend.release(held.lock_id).ok
+    finally:
+        listener.close()
+
+
+def test_a_child_forked_while_a_thread_leads_starts_with_no_leader(rh):
+    backend = rh.redis
+    wake_ups, mine = backend.wake_ups, ticket()
+    listener = wake_ups.listen("fork:lead", mine.id)
+    try:
+        held = backend.acquire("fork:lead", TTL)
+        assert backend.acquire("fork:lead", TTL, ticket=mine).queue_position == 0
+        thread, outcome = waiting_thread(listener, "parent-waiter")
+        wait_until(lambda: wake_ups._leader is listener, WAKE_S, "the waiting thread leads")
+
+        def child() -> list:
+            before = wake_ups._leader
+            theirs = ticket()
+            own = wake_ups.listen("fork:lead-child", theirs.id)
+            holder = backend.acquire("fork:lead-child", TTL)
+            queued = backend.acquire("fork:lead-child", TTL, ticket=theirs).queue_position
+            waiter, result = waiting_thread(own, "child-waiter")
+            wait_until(lambda: wake_ups._leader is own, WAKE_S, "the child's waiter leads")
+            backend.release(holder.lock_id)
+            waiter.join(WAKE_S)
+            return [before is None, queued, result, own.grant is not None]
+
+        forked = Forked(child)
+        forked.go()
+        assert forked.result() == [True, 0, {"woken": True}, True]
+        # The parent's leader is untouched by the child.
+        assert wake_ups._leader is listener
+        assert backend.release(held.lock_id).ok
+        thread.join(WAKE_S)
+        assert outcome == {"woken": True}
+    finally:
+        listener.close()

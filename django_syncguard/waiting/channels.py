@@ -32,6 +32,18 @@ to connect, subscribe, unsubscribe and read.
   waiters, and is ``CONNECTED`` once the server confirmed them all. A channel that
   accepts subscriptions but can never deliver (PostgreSQL behind a transaction
   pooler) makes it ``DEAF``: waiters poll for good.
+* **Leading** (transports that ``let_waiters_read``): a thread that waits for its
+  listener reads the connection itself meanwhile, one thread at a time, while the
+  worker's thread sleeps on its socket pair and timers only (:meth:`wait_for`). A
+  release meant for that waiter then wakes one thread, the one that goes on to enter
+  the lock, rather than the worker's thread and then the waiter's: on two cores, a
+  hand-off after a 20 ms hold spent about 0.1 ms on that second wake-up and the work
+  before it. The leader handles whatever arrives as the worker's thread would (other
+  waiters' wake-ups, confirmations, replies to the health check); the worker's thread
+  still sends every subscription and runs the timers. Reads and sends take one lock.
+  The leader leaves when woken, at its deadline, or when the worker takes the
+  connection back to close it (after a failure the leader met, or one of its own),
+  and pokes the worker's thread, which reads again.
 * **Fork**: a forked child starts from nothing (no thread, no connection); the
   parent's connection is neither closed nor finalized by the child, which would end
   it for the parent too.
@@ -43,6 +55,7 @@ import contextlib
 import enum
 import logging
 import random
+import select
 import selectors
 import socket
 import threading
@@ -53,7 +66,7 @@ from typing import Protocol
 
 from ..lifecycle import abandon
 from . import tickets
-from .listeners import WakeUps
+from .listeners import Listener, WakeUps
 from .tickets import Grant
 
 #: A channel whose last local waiter left stays subscribed this long.
@@ -76,6 +89,16 @@ CLAIM_AFTER_S = tickets.GRANT_WINDOW_MS / 4000
 WATCH_AFTER_S = (tickets.GRANT_WINDOW_MS + tickets.RECHECK_MARGIN_MS) / 1000
 #: The thread looks at its idle channels and the connection's health this often at least.
 MAX_SELECT_S = 60.0
+#: A wait shorter than this does not lead (see :meth:`ChannelWorker.wait_for`): taking
+#: the connection and giving it back wakes the worker's thread twice, which the slices
+#: of a wait with a cancel token (25 ms) would pay dozens of times a second.
+LEAD_MIN_S = 0.05
+#: While a waiter leads, the worker's thread wakes this often at least: a leader that
+#: leaves after its own wake-up does not poke the thread when no other waiter of the
+#: process needs it (the poke's wake-up would take the CPU from the thread that is
+#: entering the lock), and the thread takes the connection back by then (and sees
+#: the claim that wake-up scheduled, due :data:`CLAIM_AFTER_S` after it).
+LEAD_PARK_S = 0.1
 
 
 class State(enum.Enum):
@@ -194,6 +217,12 @@ class Transport(Protocol):
         """What the worker's log calls the connection ("Redis connection")."""
 
     @property
+    def let_waiters_read(self) -> bool:
+        """Whether a waiting thread may read the connection (see Leading in the
+        module docstring): its :meth:`Connection.receive` never blocks and may run in
+        any thread, one at a time."""
+
+    @property
     def logger(self) -> logging.Logger:
         """The backend's logger, which the worker logs on."""
 
@@ -257,6 +286,19 @@ class ChannelWorker(WakeUps):
         self._watches: dict[str, tuple[float, str]] = {}
         # When the thread looks at its timers next, at the latest (see watch()).
         self._timers_at = float("inf")
+        # Leading (see wait_for): the listener whose thread reads the connection now
+        # (None: the worker's thread does) and that thread's id; set under _cond. A
+        # socket pair that wakes the leader; whether the connection is being taken
+        # back (no new leader); what broke it under a leader (the thread raises it).
+        # _io lock: one reader or sender of the connection at a time.
+        self._io_lock = threading.Lock()
+        self._leader: Listener | None = None
+        self._leader_thread: int | None = None
+        self._revoked = False
+        self._lead_error: Exception | None = None
+        self._lead_r, self._lead_w = socket.socketpair()
+        self._lead_r.setblocking(False)
+        self._lead_w.setblocking(False)
 
     # ------------------------------------------------------------------ state
     @property
@@ -303,9 +345,9 @@ class ChannelWorker(WakeUps):
         self.poke()
         if thread is not None and thread is not threading.current_thread():
             thread.join(self._timeout_s + 1)
-        if thread is None or not thread.is_alive():  # else it may still read the pair
-            self._poke_r.close()
-            self._poke_w.close()
+        if thread is None or not thread.is_alive():  # else it may still read the pairs
+            for end in (self._poke_r, self._poke_w, self._lead_r, self._lead_w):
+                end.close()
         self.connection_lost()  # listeners still registered poll from now on
 
     def poke(self) -> None:
@@ -554,11 +596,103 @@ class ChannelWorker(WakeUps):
         # The parent's thread does not exist here; its connection is the parent's.
         if self._connection is not None:
             abandon(self._connection)  # never closed nor finalized here
-        for end in (self._poke_r, self._poke_w):
+        for end in (self._poke_r, self._poke_w, self._lead_r, self._lead_w):
             with contextlib.suppress(OSError):
                 end.close()  # this process's copies: the parent keeps its own
         self._init_state()
         super().reset_after_fork()
+
+    # ---------------------------------------------------------------- leading
+    def wait_for(self, listener: Listener, timeout_s: float) -> bool:
+        """Block up to ``timeout_s`` until ``listener``'s event is set (True),
+        reading the connection in this thread meanwhile when the transport lets
+        waiters read and no other thread leads (Leading, in the module docstring)."""
+        connection = self._take_lead(listener, timeout_s)
+        if connection is None:
+            return listener._event.wait(timeout_s)
+        deadline = time.monotonic() + timeout_s
+        try:
+            self._lead(listener, connection, deadline)
+        finally:
+            self._give_lead()
+        # Woken: at once. Otherwise the rest of the wait, the worker's thread reading.
+        return listener._event.wait(max(deadline - time.monotonic(), 0.0))
+
+    def _take_lead(self, listener: Listener, timeout_s: float) -> Connection | None:
+        """The connection, if this thread may lead now (it then does)."""
+        if timeout_s < LEAD_MIN_S or not self.transport.let_waiters_read:
+            return None
+        with self._cond:
+            connection = self._connection
+            if (
+                self._leader is not None
+                or self._revoked
+                or self._state is not State.CONNECTED
+                or connection is None
+                or connection.fileno() is None
+            ):
+                return None
+            self._leader, self._leader_thread = listener, threading.get_ident()
+        self.poke()  # the worker's thread stops reading the connection
+        return connection
+
+    def _lead(self, listener: Listener, connection: Connection, deadline: float) -> None:
+        """Read ``connection`` until ``listener`` is woken, the deadline passes, or
+        the worker takes the connection back."""
+        fd, pipe = connection.fileno(), self._lead_r
+        while not listener._event.is_set() and not self._revoked:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            try:
+                readable = select.select([fd, pipe], [], [], left)[0]
+            except (OSError, ValueError):  # closed by a fork's reset, or by close()
+                return
+            if pipe in readable:
+                with contextlib.suppress(OSError):
+                    while pipe.recv(4096):
+                        pass
+            if fd in readable and not self._revoked:
+                try:
+                    with self._io_lock:
+                        self._handle(connection.receive())
+                except Exception as exc:
+                    self._lead_error = exc  # the worker's thread reconnects
+                    return
+
+    def _give_lead(self) -> None:
+        with self._cond:
+            self._leader = self._leader_thread = None
+            self._cond.notify_all()  # a revocation waits for it
+        with self._mutex:
+            others = sum(len(waiting) for waiting in self._listeners.values()) > 1
+        if others:
+            self.poke()  # the worker's thread reads for them again, at once
+
+    def _revoke_lead(self) -> None:
+        """Take the connection back from a leader, before closing it (the leader's
+        reads never block: it leaves as soon as its socket pair wakes it)."""
+        with self._cond:
+            self._revoked = True
+            deadline = time.monotonic() + self._timeout_s + 1
+            while self._leader is not None and time.monotonic() < deadline:
+                self._wake_leader()
+                self._cond.wait(0.05)
+
+    def _wake_leader(self) -> None:
+        with contextlib.suppress(OSError):
+            self._lead_w.send(b"\0")
+
+    def signalled(self, listener: Listener) -> None:
+        if listener is self._leader and self._leader_thread != threading.get_ident():
+            self._wake_leader()  # another thread woke or nudged the leader
+
+    def _yield_to_woken(self, woken: list[Listener]) -> None:
+        if self._leader_thread == threading.get_ident() and all(
+            listener is self._leader for listener in woken
+        ):
+            return  # the leader woke itself: nobody to hand the GIL to
+        super()._yield_to_woken(woken)
 
     # ---------------------------------------------------------------- the thread
     def _start(self) -> None:
@@ -623,6 +757,7 @@ class ChannelWorker(WakeUps):
         self._cond.notify_all()
 
     def _disconnect(self, connection: Connection | None) -> None:
+        self._revoke_lead()
         if self._connection is connection:
             self._connection = None
         if connection is not None:
@@ -650,12 +785,15 @@ class ChannelWorker(WakeUps):
                 self._state = State.CONNECTING
         self._sent = set(batch)  # this thread's: a thread that ended touches it no more
         self._unused_since: float | None = None  # since when nothing is wanted
-        self._confirm(connection.subscribe(batch) if batch else ())
+        with self._io_lock:
+            self._confirm(connection.subscribe(batch) if batch else ())
         with self._cond:
+            self._revoked, self._lead_error = False, None  # a leader may read this one
             self._settle_state()
         fd = connection.fileno()
-        with selectors.DefaultSelector() as selector:
+        with selectors.DefaultSelector() as selector, selectors.DefaultSelector() as parked:
             selector.register(self._poke_r, selectors.EVENT_READ)
+            parked.register(self._poke_r, selectors.EVENT_READ)  # while a waiter leads
             if fd is not None:
                 selector.register(fd, selectors.EVENT_READ)
             poked = True  # a waiter may have poked before the thread started
@@ -663,14 +801,24 @@ class ChannelWorker(WakeUps):
                 # Deliver first: a wake-up is what a waiter is waiting for (the pokes
                 # are drained after it, and only when there are some: a wake-up must
                 # not wait for a read of the socket pair that finds nothing).
-                self._handle(connection.receive())
+                if self._leader is None:
+                    with self._io_lock:
+                        self._handle(connection.receive())
                 if poked:
                     self._drain_pokes()
+                failed, self._lead_error = self._lead_error, None
+                if failed is not None:
+                    raise failed  # met by a leader: the connection is lost
                 next_expiry = self._reconcile(connection)
                 if next_expiry is None:
                     return
-                timeout = min(next_expiry, connection.check(), MAX_SELECT_S, self._claim_due())
-                ready = selector.select(max(timeout, 0.0))
+                with self._io_lock:
+                    healthy_for = connection.check()
+                timeout = min(next_expiry, healthy_for, MAX_SELECT_S, self._claim_due())
+                if self._leader is None:
+                    ready = selector.select(max(timeout, 0.0))
+                else:  # until a poke, or LEAD_PARK_S at most: see there
+                    ready = parked.select(max(min(timeout, LEAD_PARK_S), 0.0))
                 poked = any(key.fileobj is self._poke_r for key, _ in ready)
 
     def _reconcile(self, connection: Connection) -> float | None:
@@ -695,14 +843,15 @@ class ChannelWorker(WakeUps):
             order = list(self._channels)
         # Expired ones go even if wanted again meanwhile: their confirmation was
         # forgotten, so they are subscribed (and confirmed) anew.
-        dropped = sorted((self._sent - wanted) | (self._sent & expired))
-        if dropped:
-            self._sent.difference_update(dropped)
-            connection.unsubscribe(dropped)
-        added = [channel for channel in order if channel not in self._sent]
-        if added:
-            self._sent.update(added)
-            self._confirm(connection.subscribe(added))
+        with self._io_lock:  # a leader may be reading replies that touch _sent
+            dropped = sorted((self._sent - wanted) | (self._sent & expired))
+            if dropped:
+                self._sent.difference_update(dropped)
+                connection.unsubscribe(dropped)
+            added = [channel for channel in order if channel not in self._sent]
+            if added:
+                self._sent.update(added)
+                self._confirm(connection.subscribe(added))
         return next_expiry
 
     def _handle(self, events: list[Event]) -> None:

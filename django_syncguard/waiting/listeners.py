@@ -90,6 +90,7 @@ class Listener:
 
     def _signal(self) -> None:
         self._event.set()
+        self.wake_ups.signalled(self)
         if self._async is not None:
             loop, event = self._async
             # A closed loop means the waiter is gone.
@@ -102,7 +103,7 @@ class Listener:
         while True:
             remaining = self._end_s(deadline)
             step = remaining if cancel is None else min(remaining, _CANCEL_SLICE_S)
-            if self._event.wait(max(step, 0.0)):
+            if self.wake_ups.wait_for(self, max(step, 0.0)):
                 if self._consume():
                     return True
                 continue  # nudged: the end may have moved
@@ -232,10 +233,23 @@ class WakeUps:
                 listener.grant = grant
             listener.wake()
         if woken:
-            # Hand the GIL to the woken waiter now: otherwise it waits until this
-            # thread blocks (or for the interpreter's 5 ms switch interval).
-            time.sleep(0)
+            self._yield_to_woken(woken)
         return bool(woken)
+
+    def wait_for(self, listener: Listener, timeout_s: float) -> bool:
+        """Block up to ``timeout_s`` until ``listener``'s event is set (True). A
+        registry with a channel reads it in this thread meanwhile when it can (see
+        :meth:`~.channels.ChannelWorker.wait_for`)."""
+        return listener._event.wait(timeout_s)
+
+    def signalled(self, listener: Listener) -> None:
+        """``listener``'s event was just set (registries whose waiters may be blocked
+        elsewhere than on it wake them)."""
+
+    def _yield_to_woken(self, woken: list[Listener]) -> None:
+        """Hand the GIL to the woken waiters now: otherwise they wait until this
+        thread blocks (or for the interpreter's 5 ms switch interval)."""
+        time.sleep(0)
 
     def recheck(self, key: str, ticket_id: str) -> None:
         """The key was granted to another waiter, and ``ticket_id`` is next: its

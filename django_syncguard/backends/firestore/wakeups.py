@@ -69,6 +69,7 @@ class FirestoreTransport:
     Firestore client, ``document`` the lock document reference of a key."""
 
     confirms_on_listen = True
+    let_waiters_read = False  # a Listen stream, no socket to wait on
     max_channels: int | None = MAX_WATCHES
     connection_name = "Firestore stream"
     logger = logger

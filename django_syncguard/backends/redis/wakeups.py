@@ -76,6 +76,7 @@ class RedisTransport:
     confirms_on_listen = True
     max_channels: int | None = None
     connection_name = "Redis connection"
+    let_waiters_read = True  # its receive() never blocks
     logger = logger
 
     def __init__(self, backend: RedisBackend) -> None:
