@@ -629,8 +629,13 @@ class ChannelWorker(WakeUps):
                 or self._revoked
                 or self._state is not State.CONNECTED
                 or connection is None
-                or connection.fileno() is None
             ):
+                return None
+            try:
+                fd = connection.fileno()
+            except Exception:  # closed under us: the worker's thread finds out
+                return None
+            if fd is None:
                 return None
             self._leader, self._leader_thread = listener, threading.get_ident()
         self.poke()  # the worker's thread stops reading the connection
@@ -639,7 +644,10 @@ class ChannelWorker(WakeUps):
     def _lead(self, listener: Listener, connection: Connection, deadline: float) -> None:
         """Read ``connection`` until ``listener`` is woken, the deadline passes, or
         the worker takes the connection back."""
-        fd, pipe = connection.fileno(), self._lead_r
+        try:
+            fd, pipe = connection.fileno(), self._lead_r
+        except Exception:
+            return
         while not listener._event.is_set() and not self._revoked:
             left = deadline - time.monotonic()
             if left <= 0:

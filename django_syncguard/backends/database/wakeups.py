@@ -162,7 +162,7 @@ class PostgresTransport:
     """
 
     confirms_on_listen = False
-    let_waiters_read = False  # psycopg's notifies are read by the worker's thread only
+    let_waiters_read = True  # notifies(timeout=0) never blocks
     idle_cap = IDLE_CHANNEL_CAP
     max_channels: int | None = None
     connection_name = "PostgreSQL connection"
