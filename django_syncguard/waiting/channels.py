@@ -674,8 +674,8 @@ class ChannelWorker(WakeUps):
             self._cond.notify_all()  # a revocation waits for it
         with self._mutex:
             others = sum(len(waiting) for waiting in self._listeners.values()) > 1
-        if others:
-            self.poke()  # the worker's thread reads for them again, at once
+        if others or self._lead_error is not None:
+            self.poke()  # the worker's thread reads for them (or reconnects), at once
 
     def _revoke_lead(self) -> None:
         """Take the connection back from a leader, before closing it (the leader's
