@@ -1512,37 +1512,3 @@ def test_sqlite_a_grant_that_would_pass_the_maximum_fence_only_wakes_the_waiter(
             backend.acquire("grant:max", TTL, ticket=ticket)
     finally:
         listener.close()
-
-
-@on_postgres
-def test_a_waiting_thread_reads_its_own_grant_on_postgres(pg, other, monkeypatch):
-    wake_ups, seen = pg.wake_ups, []
-    original = wake_ups.deliver
-
-    def deliver(key: str, ticket_id: str | None = None, grant: Grant | None = None) -> bool:
-        seen.append((ticket_id, threading.current_thread().name))
-        return original(key, ticket_id, grant)
-
-    monkeypatch.setattr(wake_ups, "deliver", deliver)
-    held = other.acquire("wake:lead", TTL)
-    mine = WaitTicket.new()
-    listener = queue_and_subscribe(pg, "wake:lead", mine)
-    try:
-        outcome: dict[str, Any] = {}
-        thread = threading.Thread(
-            target=lambda: outcome.setdefault("woken", listener.wait(WAKE_S, None)),
-            name="pg-waiter",
-        )
-        thread.start()
-        wait_until(lambda: wake_ups._leader is listener, WAKE_S, "the waiting thread leads")
-        seen.clear()  # (the confirmation's wake-up, before it led)
-        assert other.release(held.lock_id).ok
-        thread.join(WAKE_S)
-        # The NOTIFY was read and delivered by the waiting thread itself.
-        assert outcome == {"woken": True}
-        assert seen == [(mine.id, "pg-waiter")]
-        assert listener.grant is not None
-        assert pg.lookup_raw(lock_id=listener.grant.lock_id).fence == "000000000000002"
-        assert wake_ups._leader is None
-    finally:
-        listener.close()

@@ -162,7 +162,10 @@ class PostgresTransport:
     """
 
     confirms_on_listen = False
-    let_waiters_read = True  # notifies(timeout=0) never blocks
+    # Waiters do not read the notifications (Leading, waiting/channels.py): measured
+    # side by side (bench/contention.py, 8 processes and 4 x 8 threads, holds of 1 and
+    # 20 ms, two alternations) it gained nothing here, and lost in the threaded cells.
+    let_waiters_read = False
     idle_cap = IDLE_CHANNEL_CAP
     max_channels: int | None = None
     connection_name = "PostgreSQL connection"
