@@ -42,8 +42,9 @@ to connect, subscribe, unsubscribe and read.
   waiters' wake-ups, confirmations, replies to the health check); the worker's thread
   still sends every subscription and runs the timers. Reads and sends take one lock.
   The leader leaves when woken, at its deadline, or when the worker takes the
-  connection back to close it (after a failure the leader met, or one of its own),
-  and pokes the worker's thread, which reads again.
+  connection back to close it (after a failure the leader met, or one of its own);
+  the worker's thread reads again at once when another waiter of the process needs
+  it (the leader pokes it), else within :data:`LEAD_PARK_S`.
 * **Fork**: a forked child starts from nothing (no thread, no connection); the
   parent's connection is neither closed nor finalized by the child, which would end
   it for the parent too.
