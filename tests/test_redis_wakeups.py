@@ -12,15 +12,18 @@ import logging
 import os
 import queue
 import random
+import select
 import threading
 import time
 import uuid
 
 import pytest
+import redis
 
 from django_syncguard import current_lock, generate_lock_id, lock, signals
 from django_syncguard.backends.redis import RedisBackend
 from django_syncguard.backends.redis import wakeups as redis_wakeups
+from django_syncguard.backends.redis.client import pooled_connection, socket_reader
 from django_syncguard.backends.redis.wakeups import RedisWakeUps
 from django_syncguard.waiting import GRANT_WINDOW_MS, WaitTicket
 from django_syncguard.waiting.channels import Message
@@ -914,3 +917,62 @@ def test_a_child_forked_while_a_thread_leads_starts_with_no_leader(rh):
         assert outcome == {"woken": True}
     finally:
         listener.close()
+
+
+def test_an_interrupt_in_a_leading_thread_is_a_lost_connection_for_the_others(rh, monkeypatch):
+    backend = rh.redis
+    wake_ups, mine = backend.wake_ups, ticket()
+    listener = wake_ups.listen("x:lead-interrupted", mine.id)
+    try:
+        held = backend.acquire("x:lead-interrupted", TTL)
+        assert backend.acquire("x:lead-interrupted", TTL, ticket=mine).queue_position == 0
+        subscriber, outcome = wake_ups._connection, {}
+        original = subscriber.receive
+
+        def receive():
+            if threading.current_thread().name == "interrupted-waiter":
+                raise KeyboardInterrupt  # as a signal handler raises in the main thread
+            return original()
+
+        monkeypatch.setattr(subscriber, "receive", receive)
+
+        def run() -> None:
+            try:
+                listener.wait(WAKE_S, None)
+            except KeyboardInterrupt:
+                outcome["raised"] = True
+
+        thread = threading.Thread(target=run, name="interrupted-waiter")
+        thread.start()
+        wait_until(lambda: wake_ups._leader is listener, WAKE_S, "the waiting thread leads")
+        failures = wake_ups._failures
+        assert backend.release(held.lock_id).ok  # its grant arrives; the read is interrupted
+        thread.join(WAKE_S)
+        # The interrupt reaches its own thread; what that read may have dropped is
+        # recovered as after a lost connection: the worker's thread reconnects.
+        assert outcome == {"raised": True}
+        wait_until(lambda: wake_ups._failures == failures + 1, WAKE_S, "a reconnect")
+        assert wake_ups.wait_connected(WAKE_S) is True
+        assert wake_ups._connection is not subscriber
+        assert wake_ups._leader is None
+    finally:
+        listener.close()
+
+
+def test_the_socket_reader_refuses_a_closed_connection(rh):
+    pool = rh.redis.clients.pubsub_connection_pool()
+    try:
+        connection = pooled_connection(pool, "SUBSCRIBE")
+        reader = socket_reader(connection)
+        assert reader is not None
+        assert list(reader.replies()) == []  # nothing arrived: no blocking, no reply
+        connection.send_command("PING")
+        # (Not connection.can_read(): before redis-py 5.3 it reads into its own parser.)
+        sock = connection._sock
+        wait_until(lambda: select.select([sock], [], [], 0.01)[0], WAKE_S, "the PONG")
+        assert list(reader.replies()) == [b"PONG"]
+        connection.disconnect()  # its descriptor number may now be another socket's
+        with pytest.raises(redis.exceptions.ConnectionError, match="closed"):
+            list(reader.replies())
+    finally:
+        pool.disconnect()

@@ -56,7 +56,6 @@ import contextlib
 import enum
 import logging
 import random
-import select
 import selectors
 import socket
 import threading
@@ -100,6 +99,9 @@ LEAD_MIN_S = 0.05
 #: entering the lock), and the thread takes the connection back by then (and sees
 #: the claim that wake-up scheduled, due :data:`CLAIM_AFTER_S` after it).
 LEAD_PARK_S = 0.1
+#: A leader waits this long at most for the lock that the worker's thread holds while
+#: it sends (a subscription, a health check), then goes back to its selector.
+LEAD_LOCK_S = 0.01
 
 
 class State(enum.Enum):
@@ -646,28 +648,59 @@ class ChannelWorker(WakeUps):
         """Read ``connection`` until ``listener`` is woken, the deadline passes, or
         the worker takes the connection back."""
         try:
-            fd, pipe = connection.fileno(), self._lead_r
+            fd = connection.fileno()
+            selector = selectors.DefaultSelector()  # any descriptor number, unlike select()
         except Exception:
             return
-        while not listener._event.is_set() and not self._revoked:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return
+        if fd is None:
+            selector.close()
+            return
+        with selector:
             try:
-                readable = select.select([fd, pipe], [], [], left)[0]
-            except (OSError, ValueError):  # closed by a fork's reset, or by close()
+                selector.register(fd, selectors.EVENT_READ)
+                selector.register(self._lead_r, selectors.EVENT_READ)
+            except (OSError, ValueError):  # closed already: the worker's thread finds out
                 return
-            if pipe in readable:
-                with contextlib.suppress(OSError):
-                    while pipe.recv(4096):
-                        pass
-            if fd in readable and not self._revoked:
-                try:
-                    with self._io_lock:
-                        self._handle(connection.receive())
-                except Exception as exc:
-                    self._lead_error = exc  # the worker's thread reconnects
+            while not listener._event.is_set() and not self._revoked:
+                left = deadline - time.monotonic()
+                if left <= 0:
                     return
+                ready = [key.fileobj for key, _ in selector.select(left)]
+                if self._lead_r in ready:
+                    self._drain(self._lead_r)
+                if fd in ready and not self._read_as_leader(connection, fd):
+                    return
+
+    def _read_as_leader(self, connection: Connection, fd: int) -> bool:
+        """Read and handle what arrived, as the worker's thread would; False when
+        this thread must stop leading. Only while ``connection`` is still the worker's
+        and still open on ``fd``: a send of the worker's thread that failed closes it,
+        and its descriptor number may then name another socket."""
+        if not self._io_lock.acquire(timeout=LEAD_LOCK_S):
+            return True  # the worker's thread is sending: try again
+        try:
+            if self._revoked or self._connection is not connection:
+                return False
+            try:
+                if connection.fileno() != fd:
+                    return False
+            except Exception:
+                return False
+            self._handle(connection.receive())
+            return True
+        except BaseException as exc:
+            # Also an interrupt raised in this (the caller's) thread: what it had read
+            # may be lost, so the worker's thread reconnects and every waiter tries
+            # again once, as after a lost connection.
+            with self._cond:
+                self._lead_error = (
+                    exc if isinstance(exc, Exception) else ConnectionError(f"interrupted: {exc!r}")
+                )
+            if not isinstance(exc, Exception):
+                raise
+            return False
+        finally:
+            self._io_lock.release()
 
     def _give_lead(self) -> None:
         with self._cond:
@@ -766,8 +799,9 @@ class ChannelWorker(WakeUps):
         self._cond.notify_all()
 
     def _disconnect(self, connection: Connection | None) -> None:
-        self._revoke_lead()
         if self._connection is connection:
+            # (Not a newer thread's connection: only this one's leader is sent away.)
+            self._revoke_lead()
             self._connection = None
         if connection is not None:
             try:
@@ -807,15 +841,18 @@ class ChannelWorker(WakeUps):
                 selector.register(fd, selectors.EVENT_READ)
             poked = True  # a waiter may have poked before the thread started
             while not self._stop.is_set() and self._mine():
-                # Deliver first: a wake-up is what a waiter is waiting for (the pokes
-                # are drained after it, and only when there are some: a wake-up must
-                # not wait for a read of the socket pair that finds nothing).
+                # The pokes before the read (a transport without a socket pokes once
+                # it has queued a message: drained after the read, a poke that came
+                # in between would be lost with its message), and only when there are
+                # some: a wake-up by the socket needs no read of the pair.
+                if poked:
+                    self._drain_pokes()
+                # Then deliver: a wake-up is what a waiter is waiting for.
                 if self._leader is None:
                     with self._io_lock:
                         self._handle(connection.receive())
-                if poked:
-                    self._drain_pokes()
-                failed, self._lead_error = self._lead_error, None
+                with self._cond:
+                    failed, self._lead_error = self._lead_error, None
                 if failed is not None:
                     raise failed  # met by a leader: the connection is lost
                 next_expiry = self._reconcile(connection)
@@ -909,8 +946,12 @@ class ChannelWorker(WakeUps):
         self._cond.notify_all()
 
     def _drain_pokes(self) -> None:
+        self._drain(self._poke_r)
+
+    @staticmethod
+    def _drain(pair_end: socket.socket) -> None:
         with contextlib.suppress(OSError):
-            while self._poke_r.recv(4096):
+            while pair_end.recv(4096):
                 pass
 
     def _broken(self, exc: BaseException) -> None:

@@ -16,6 +16,7 @@ import asyncio
 import functools
 import inspect
 import os
+import socket
 import ssl
 import threading
 import weakref
@@ -180,13 +181,18 @@ class SocketReader:
     """The replies waiting on a pub/sub connection, read from its socket by a hiredis
     reader without blocking (see :func:`socket_reader`)."""
 
-    def __init__(self, fd: int, reader: Any) -> None:
-        self._fd = fd
+    def __init__(self, sock: socket.socket, reader: Any) -> None:
+        self._sock = sock
+        self._fd = sock.fileno()
         self._reader = reader
 
     def replies(self) -> Iterator[Any]:
         """Each complete reply already received, in order; an error reply is raised
         (as redis-py's exception for it); a closed connection raises ConnectionError."""
+        if self._sock.fileno() != self._fd:
+            # Closed (by redis-py, when a send failed): its number may name another
+            # socket by now, which must not be read.
+            raise _redis().ConnectionError("The subscriber's connection is closed.")
         reader, more = self._reader, True
         while True:
             reply = reader.gets()
@@ -234,7 +240,7 @@ def socket_reader(connection: Any) -> SocketReader | None:
         protocolError=_redis().exceptions.InvalidResponse,
         replyError=connection._parser.parse_error,  # redis-py's exception per reply
     )
-    return SocketReader(sock.fileno(), reader)
+    return SocketReader(sock, reader)
 
 
 async def adirect_command(client: Any, *command: Any) -> Any:
