@@ -831,20 +831,29 @@ def waiting_thread(listener, name: str) -> tuple[threading.Thread, dict]:
     return thread, outcome
 
 
+def queued_leader(backend: RedisBackend, key: str, name: str) -> tuple:
+    """``key`` held here, a ticket queued first behind it, and a thread named ``name``
+    waiting for that ticket's wake-up, leading: (listener, held lock, thread, outcome)."""
+    wake_ups = backend.wake_ups
+    mine = ticket()
+    listener = wake_ups.listen(key, mine.id)
+    held = backend.acquire(key, TTL)
+    assert backend.acquire(key, TTL, ticket=mine).queue_position == 0
+    thread, outcome = waiting_thread(listener, name)
+    wait_until(lambda: wake_ups._leader is listener, WAKE_S, "the waiting thread leads")
+    return listener, held, thread, outcome
+
+
 def test_a_waiting_thread_reads_its_own_grant_then_the_worker_reads_again(rh, deliveries):
     backend = rh.redis
-    wake_ups, first, second = backend.wake_ups, ticket(), ticket()
-    leader = wake_ups.listen("x:lead", first.id)
+    wake_ups, second = backend.wake_ups, ticket()
+    leader, held, thread, outcome = queued_leader(backend, "x:lead", "first-waiter")
     try:
-        held = backend.acquire("x:lead", TTL)
-        assert backend.acquire("x:lead", TTL, ticket=first).queue_position == 0
-        thread, outcome = waiting_thread(leader, "first-waiter")
-        wait_until(lambda: wake_ups._leader is leader, WAKE_S, "the waiting thread leads")
         assert backend.release(held.lock_id).ok
         thread.join(WAKE_S)
         # Read and delivered by the waiting thread itself: no second thread woken.
         assert outcome == {"woken": True}
-        assert deliveries == [(first.id, "first-waiter")]
+        assert deliveries == [(leader.ticket_id, "first-waiter")]
         assert wake_ups._leader is None
         # The worker's thread reads again (it takes the connection back within
         # LEAD_PARK_S): a waiter that does not lead is woken by it.
@@ -863,13 +872,9 @@ def test_a_waiting_thread_reads_its_own_grant_then_the_worker_reads_again(rh, de
 
 def test_a_connection_lost_under_a_leader_wakes_it_and_comes_back(rh):
     backend = rh.redis
-    wake_ups, mine = backend.wake_ups, ticket()
-    listener = wake_ups.listen("x:lead-lost", mine.id)
+    wake_ups = backend.wake_ups
+    listener, held, thread, outcome = queued_leader(backend, "x:lead-lost", "leading-waiter")
     try:
-        held = backend.acquire("x:lead-lost", TTL)
-        assert backend.acquire("x:lead-lost", TTL, ticket=mine).queue_position == 0
-        thread, outcome = waiting_thread(listener, "leading-waiter")
-        wait_until(lambda: wake_ups._leader is listener, WAKE_S, "the waiting thread leads")
         failures = wake_ups._failures
         assert backend.client.client_kill_filter(_type="pubsub") == 1
         thread.join(WAKE_S)
@@ -887,29 +892,20 @@ def test_a_connection_lost_under_a_leader_wakes_it_and_comes_back(rh):
 
 def test_a_child_forked_while_a_thread_leads_starts_with_no_leader(rh):
     backend = rh.redis
-    wake_ups, mine = backend.wake_ups, ticket()
-    listener = wake_ups.listen("fork:lead", mine.id)
+    wake_ups = backend.wake_ups
+    listener, held, thread, outcome = queued_leader(backend, "fork:lead", "parent-waiter")
     try:
-        held = backend.acquire("fork:lead", TTL)
-        assert backend.acquire("fork:lead", TTL, ticket=mine).queue_position == 0
-        thread, outcome = waiting_thread(listener, "parent-waiter")
-        wait_until(lambda: wake_ups._leader is listener, WAKE_S, "the waiting thread leads")
 
         def child() -> list:
             before = wake_ups._leader
-            theirs = ticket()
-            own = wake_ups.listen("fork:lead-child", theirs.id)
-            holder = backend.acquire("fork:lead-child", TTL)
-            queued = backend.acquire("fork:lead-child", TTL, ticket=theirs).queue_position
-            waiter, result = waiting_thread(own, "child-waiter")
-            wait_until(lambda: wake_ups._leader is own, WAKE_S, "the child's waiter leads")
+            own, holder, waiter, result = queued_leader(backend, "fork:lead-child", "child")
             backend.release(holder.lock_id)
             waiter.join(WAKE_S)
-            return [before is None, queued, result, own.grant is not None]
+            return [before is None, result, own.grant is not None]
 
         forked = Forked(child)
         forked.go()
-        assert forked.result() == [True, 0, {"woken": True}, True]
+        assert forked.result() == [True, {"woken": True}, True]
         # The parent's leader is untouched by the child.
         assert wake_ups._leader is listener
         assert backend.release(held.lock_id).ok
