@@ -349,9 +349,13 @@ class ChannelWorker(WakeUps):
         if thread is not None and thread is not threading.current_thread():
             thread.join(self._timeout_s + 1)
         if thread is None or not thread.is_alive():  # else it may still read the pairs
-            for end in (self._poke_r, self._poke_w, self._lead_r, self._lead_w):
+            for end in self._pair_ends():
                 end.close()
         self.connection_lost()  # listeners still registered poll from now on
+
+    def _pair_ends(self) -> tuple[socket.socket, ...]:
+        """Both ends of both socket pairs (the worker's pokes, the leader's)."""
+        return (self._poke_r, self._poke_w, self._lead_r, self._lead_w)
 
     def poke(self) -> None:
         """Wake the thread's selector (a full socket pair is a poke already)."""
@@ -599,7 +603,7 @@ class ChannelWorker(WakeUps):
         # The parent's thread does not exist here; its connection is the parent's.
         if self._connection is not None:
             abandon(self._connection)  # never closed nor finalized here
-        for end in (self._poke_r, self._poke_w, self._lead_r, self._lead_w):
+        for end in self._pair_ends():
             with contextlib.suppress(OSError):
                 end.close()  # this process's copies: the parent keeps its own
         self._init_state()
@@ -610,19 +614,20 @@ class ChannelWorker(WakeUps):
         """Block up to ``timeout_s`` until ``listener``'s event is set (True),
         reading the connection in this thread meanwhile when the transport lets
         waiters read and no other thread leads (Leading, in the module docstring)."""
-        connection = self._take_lead(listener, timeout_s)
-        if connection is None:
+        taken = self._take_lead(listener, timeout_s)
+        if taken is None:
             return listener._event.wait(timeout_s)
         deadline = time.monotonic() + timeout_s
         try:
-            self._lead(listener, connection, deadline)
+            self._lead(listener, *taken, deadline)
         finally:
             self._give_lead()
         # Woken: at once. Otherwise the rest of the wait, the worker's thread reading.
         return listener._event.wait(max(deadline - time.monotonic(), 0.0))
 
-    def _take_lead(self, listener: Listener, timeout_s: float) -> Connection | None:
-        """The connection, if this thread may lead now (it then does)."""
+    def _take_lead(self, listener: Listener, timeout_s: float) -> tuple[Connection, int] | None:
+        """The connection and its descriptor, if this thread may lead now (it then
+        does)."""
         if timeout_s < LEAD_MIN_S or not self.transport.let_waiters_read:
             return None
         with self._cond:
@@ -642,20 +647,12 @@ class ChannelWorker(WakeUps):
                 return None
             self._leader, self._leader_thread = listener, threading.get_ident()
         self.poke()  # the worker's thread stops reading the connection
-        return connection
+        return connection, fd
 
-    def _lead(self, listener: Listener, connection: Connection, deadline: float) -> None:
-        """Read ``connection`` until ``listener`` is woken, the deadline passes, or
-        the worker takes the connection back."""
-        try:
-            fd = connection.fileno()
-            selector = selectors.DefaultSelector()  # any descriptor number, unlike select()
-        except Exception:
-            return
-        if fd is None:
-            selector.close()
-            return
-        with selector:
+    def _lead(self, listener: Listener, connection: Connection, fd: int, deadline: float) -> None:
+        """Read ``connection`` (open on ``fd``) until ``listener`` is woken, the
+        deadline passes, or the worker takes the connection back."""
+        with selectors.DefaultSelector() as selector:  # any descriptor, unlike select()
             try:
                 selector.register(fd, selectors.EVENT_READ)
                 selector.register(self._lead_r, selectors.EVENT_READ)
