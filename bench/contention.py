@@ -1,7 +1,7 @@
 """Fair, notified waiting under contention: many workers cycling on ONE hot key (issues 14, 24).
 
     .venv/bin/python bench/contention.py [--seconds 10] [--quick]
-        [--backends redis,postgres,sqlite,firestore] [--methods on,off,redis-py,prl]
+        [--backends redis,postgres,sqlite,firestore] [--methods on,off,redis-py,prl,fifo]
         [--clients 2,8,32] [--holds 1,20] [--all-cells] [--uncontended-seconds 3]
         [--out bench/reports/contention.md]
 
@@ -15,7 +15,12 @@ the hold time (1 or 20 ms). Per backend, side by side on one server:
 - Redis only, on the same ``redis-server``: ``redis-py`` (``redis.lock.Lock``, a
   blocking acquire with ``blocking_timeout=5``: it polls ``SET NX`` every 100 ms) and
   ``prl`` (python-redis-lock's ``redis_lock.Lock``, ``acquire(timeout=5)``: ``SET NX``,
-  then ``BLPOP`` on a signal list that the release pushes to).
+  then ``BLPOP`` on a signal list that the release pushes to);
+- Redis only, ``fifo``: not a lock to use but a yardstick (``FifoFloor``): the least
+  a first-come-first-served lock on Redis can do from Python, a queue list and a
+  ``BLPOP`` per waiter, the release handing the key over in its script, with no fence,
+  expiry check, lock id index, cancellation or owner. What separates it from ``on``
+  is the cost of what ``on`` does beyond that.
 
 Clients: **2** and **8** are spawned processes with one client each; **32** are 4
 processes with 8 client threads each: many waiters in one process share its backend
@@ -93,7 +98,7 @@ TITLES = {
     "firestore": "Firestore (emulator)",
 }
 METHODS = {
-    "redis": ("on", "off", "redis-py", "prl"),
+    "redis": ("on", "off", "redis-py", "prl", "fifo"),
     "postgres": ("on", "off"),
     "sqlite": ("on", "off"),
     "firestore": ("on", "off"),
@@ -103,6 +108,7 @@ METHOD_TITLES = {
     "off": "syncguard, WAKE_UPS off",
     "redis-py": "redis-py Lock",
     "prl": "python-redis-lock",
+    "fifo": "FIFO floor (bench only)",
 }
 #: The default cells: every client count on Redis and PostgreSQL, 8 processes on SQLite
 #: and Firestore (``--all-cells``: every count everywhere), each with every hold of
@@ -476,11 +482,87 @@ class PythonRedisLock:
         self.client.close()
 
 
+class FifoFloor:
+    """Not a lock anybody should use: the least a fair (first come, first served) lock
+    on Redis can do from Python, to show what such a hand-off costs on this machine.
+    No fence, no expiry check, no lock id index, no cancellation, no owner: a queue
+    (a list) and one list per waiter to block on. An attempt is one script: ``SET NX
+    PX``, or join the queue; a waiter then blocks in ``BLPOP`` on its own list. A
+    release is one script that pops the next waiter, makes it the holder and pushes to
+    its list: the waiter's ``BLPOP`` returns in the thread that runs the body, with
+    no round trip after it. Each script call is an attempt, each ``BLPOP`` a channel
+    request."""
+
+    ACQUIRE = """
+if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
+  return 1
+end
+redis.call('RPUSH', KEYS[2], ARGV[1])
+return 0
+"""
+    RELEASE = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then
+  return 0
+end
+local nxt = redis.call('LPOP', KEYS[2])
+if nxt then
+  redis.call('SET', KEYS[1], nxt, 'PX', ARGV[2])
+  redis.call('RPUSH', ARGV[3] .. nxt, 1)
+else
+  redis.call('DEL', KEYS[1])
+end
+return 1
+"""
+    # A waiter that gave up leaves the queue; the key granted to it meanwhile goes on.
+    LEAVE = """
+redis.call('LREM', KEYS[2], 0, ARGV[1])
+redis.call('DEL', ARGV[3] .. ARGV[1])
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  local nxt = redis.call('LPOP', KEYS[2])
+  if nxt then
+    redis.call('SET', KEYS[1], nxt, 'PX', ARGV[2])
+    redis.call('RPUSH', ARGV[3] .. nxt, 1)
+  else
+    redis.call('DEL', KEYS[1])
+  end
+end
+"""
+
+    def __init__(self, target: Target) -> None:
+        import redis
+
+        self.client = redis.Redis.from_url(target.location)
+        self.acquire = self.client.register_script(self.ACQUIRE)
+        self.release = self.client.register_script(self.RELEASE)
+        self.leave = self.client.register_script(self.LEAVE)
+
+    def hold(self, key: str, body: Callable[[], None], filler: bool) -> bool:
+        me = f"{os.getpid()}-{threading.get_ident()}"
+        keys = [f"fifo:{key}", f"fifo-queue:{key}"]
+        args = [me, TTL_MS, f"fifo-signal:{key}:"]
+        if not METER.attempt(self.acquire, keys=keys, args=args):
+            METER.op("channel")
+            timeout_s = FILLER_PEER_TIMEOUT_S if filler else TIMEOUT_MS // 1000
+            if self.client.blpop([args[2] + me], timeout=timeout_s) is None:
+                self.leave(keys=keys, args=args)
+                return False
+        try:
+            body()
+        finally:
+            self.release(keys=keys, args=args)
+        return True
+
+    def close(self) -> None:
+        self.client.close()
+
+
 def build_method(target: Target, method: str, stop: Any) -> Any:
     if method in ("on", "off"):
         return Ours(target, method == "on", stop)
     if method == "redis-py":
         return RedisPyLock(target)
+    if method == "fifo":
+        return FifoFloor(target)
     return PythonRedisLock(target)
 
 
