@@ -890,6 +890,7 @@ def test_a_connection_lost_under_a_leader_wakes_it_and_comes_back(rh):
         listener.close()
 
 
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
 def test_a_child_forked_while_a_thread_leads_starts_with_no_leader(rh):
     backend = rh.redis
     wake_ups = backend.wake_ups
@@ -972,3 +973,109 @@ def test_the_socket_reader_refuses_a_closed_connection(rh):
             list(reader.replies())
     finally:
         pool.disconnect()
+
+
+# ------------------------------------------------------------------ head hint
+# A release (withdrawal, grant check) the releaser's process watches grants the key to
+# the waiter the hash's head hint 'h' names, reading three of its fields instead of the
+# whole queue, as long as the hint still names the first live waiter
+# (specs/backends/redis.md, Grants).
+
+
+def queued(backend: RedisBackend, key: str, *tickets: WaitTicket) -> None:
+    for waiting in tickets:
+        assert backend.acquire(key, TTL, ticket=waiting).ok is False
+
+
+def fields(backend: RedisBackend, key: str) -> dict[bytes, bytes]:
+    return backend.client.hgetall(backend.lock_key(key))
+
+
+@pytest.fixture
+def watched(rh, monkeypatch) -> RedisBackend:
+    """The harness's backend, its scripts told that this process checks the grants
+    they make (as when its wake-up connection is up)."""
+    backend = rh.redis
+    monkeypatch.setattr(backend, "_watch_flag", lambda: "1")
+    return backend
+
+
+def commands_on(backend: RedisBackend, name: str, action) -> list[list[str]]:
+    """Run ``action()``; the commands scripts ran on hash ``name`` meanwhile, as read
+    from MONITOR up to a marker sent after the action."""
+    marker = f"end-{uuid.uuid4().hex}"
+    with redis.Redis(connection_pool=backend.client.connection_pool).monitor() as monitor:
+        action()
+        backend.client.echo(marker)
+        seen = []
+        while marker not in (entry := monitor.next_command())["command"]:
+            words = entry["command"].split(" ")
+            if entry["client_type"] == "lua" and words[1:2] == [name]:
+                seen.append(words)
+        return seen
+
+
+def test_a_release_grants_the_waiter_the_head_hint_names_without_reading_the_queue(watched):
+    backend, key = watched, "x:hinted"
+    held = backend.acquire(key, TTL)
+    first, second, third = ticket(), ticket(), ticket()
+    queued(backend, key, first, second, third)
+    assert fields(backend, key)[b"h"] == f"{first.id} 1".encode()
+    name = backend.lock_key(key)
+    seen = commands_on(backend, name, lambda: backend.release(held.lock_id))
+    reads = [words for words in seen if words[0] in ("HGETALL", "HMGET", "HSCAN")]
+    assert reads == [
+        ["HMGET", name, "i", "e", "q", "g", "h"],  # the lock, and the hint
+        ["HMGET", name, f"w:{first.id}", f"t:{first.id}", "f"],  # its waiter
+    ]
+    after = fields(backend, key)
+    assert after[b"G"] == first.id.encode() and after[b"f"] == b"2"
+    assert after[b"q"] == b"2"  # second and third
+    assert b"h" not in after  # its waiter was granted the key
+    assert f"w:{first.id}".encode() not in after
+    # The next waiter to queue reads the queue and writes the hint again.
+    fourth = ticket()
+    queued(backend, key, fourth)
+    assert fields(backend, key)[b"h"] == f"{second.id} 2".encode()
+
+
+@pytest.mark.parametrize("change", ["withdrawn", "stale", "requeued"])
+def test_a_head_hint_that_no_longer_names_the_first_waiter_is_not_followed(watched, rh, change):
+    """The hinted waiter left (withdrew), ran out of patience, or is back in line with
+    a new arrival (a version without hints pruned and re-queued it): the release reads
+    the queue and grants the key to the first live waiter, the second here."""
+    backend, key = watched, "x:hint-gone"
+    held = backend.acquire(key, TTL)
+    first = WaitTicket(generate_lock_id(), patience_ms=1_000)
+    second = WaitTicket(generate_lock_id(), patience_ms=TTL)
+    queued(backend, key, first, second)
+    name = backend.lock_key(key)
+    if change == "withdrawn":
+        backend.withdraw(key, first.id)
+    elif change == "stale":
+        rh.advance(2_000)  # past the first's patience, within the second's and the TTL
+    else:
+        live_until = fields(backend, key)[f"w:{first.id}".encode()].split()[1]
+        backend.client.hset(name, f"w:{first.id}", b"3 " + live_until)
+    assert fields(backend, key)[b"h"] == f"{first.id} 1".encode()
+    seen = commands_on(backend, name, lambda: backend.release(held.lock_id))
+    assert ["HGETALL", name] in seen
+    after = fields(backend, key)
+    assert after[b"G"] == second.id.encode() and after[b"f"] == b"2"
+    assert b"h" not in after
+    assert f"w:{second.id}".encode() not in after
+    assert (f"w:{first.id}".encode() in after) is (change == "requeued")
+
+
+def test_the_head_hint_goes_with_the_queue(watched):
+    backend, key = watched, "x:hint-empty"
+    held = backend.acquire(key, TTL)
+    first, second = ticket(), ticket()
+    queued(backend, key, first, second)
+    backend.withdraw(key, second.id)
+    backend.withdraw(key, first.id)  # the last waiter leaves without a grant
+    assert fields(backend, key).keys() == {b"f", b"i", b"e", b"a", b"o"}
+    queued(backend, key, second)  # alone in line: the hint names it
+    assert fields(backend, key)[b"h"] == f"{second.id} 1".encode()
+    assert backend.release(held.lock_id).ok
+    assert b"h" not in fields(backend, key) and fields(backend, key)[b"G"] == second.id.encode()

@@ -24,10 +24,12 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 # which parse 'w:' values, keep working beside it), 'q' = how many there are (read
 # with the lock fields, so an empty queue costs the hot path nothing) and 'n' = the
 # last arrival number handed out, 't:<ticket id>' = what a waiter that accepts a
-# grant asked for (a JSON array, see ``grant``). 'q' and 'n' go when the queue empties. These
-# helpers read the whole hash (HGETALL): only when 'q' says somebody waits. Scripts
-# define them inside the branch that needs them, so the path without waiters does not
-# even create their closures.
+# grant asked for (a JSON array, see ``grant``), and 'h' = '<ticket id> <arrival>' of
+# the first waiter when it was last known (the head hint, see ``wake_next``). 'q', 'n'
+# and 'h' go when the queue empties. These helpers read the whole hash (HGETALL): only
+# when 'q' says somebody waits, and a grant not even then while the head hint holds.
+# Scripts define them inside the branch that needs them, so the path without waiters
+# does not even create their closures.
 _QUEUE = """
 local function hdel_all(h, names)
   for j = 1, #names, 500 do
@@ -35,8 +37,9 @@ local function hdel_all(h, names)
   end
 end
 -- The queue of hash h, read in one HGETALL: {live = {ticket id = arrival}, count =
--- how many are live, head = the id of the first, records = {ticket id = its 't:'},
--- f = the fence field}. Stale waiters (live until <= now) are deleted.
+-- how many are live, head = the id of the first, first = its arrival, records =
+-- {ticket id = its 't:'}, f = the fence field}. Stale waiters (live until <= now) are
+-- deleted.
 local function queue_load(h, now)
   local all = redis.call('HGETALL', h)
   local live, records, stale, count, head, first, f = {}, {}, {}, 0, nil, nil, nil
@@ -66,7 +69,7 @@ local function queue_load(h, now)
     end
   end
   hdel_all(h, stale)
-  return {live = live, count = count, head = head, records = records, f = f}
+  return {live = live, count = count, head = head, first = first, records = records, f = f}
 end
 -- Record the number of waiters (only when it changed); an empty queue leaves no field.
 local function queue_store(h, count, stored)
@@ -76,7 +79,7 @@ local function queue_store(h, count, stored)
   if count > 0 then
     redis.call('HSET', h, 'q', count)
   else
-    redis.call('HDEL', h, 'q', 'n')
+    redis.call('HDEL', h, 'q', 'n', 'h')
   end
 end
 -- Hand the free key h to the waiter at the head of queue q (queue_load), in this
@@ -110,7 +113,7 @@ local function grant(h, now, q, watched, final)
     return false
   end
   local expires = now + tonumber(r[4])
-  local gone = {'w:' .. head, 's:' .. head, 't:' .. head}
+  local gone = {'w:' .. head, 's:' .. head, 't:' .. head, 'h'}
   local fields = {'f', fence, 'i', r[1], 'e', expires, 'a', now,
     'g', now + tonumber(r[10]), 'G', head}
   if r[8] ~= '' then
@@ -157,10 +160,46 @@ local function grant(h, now, q, watched, final)
   end
   return true
 end
+-- The head hint ``hint`` ('h'), if it still names the first live waiter: {id, its
+-- 't:', the fence field}, else nil. A waiter's arrival number only grows, and every
+-- script that adds a waiter reads the whole queue first and writes the hint then, so
+-- a hinted ticket whose 'w:' is still there, with the same arrival and still live, is
+-- still first: only the waiters after it changed. A hint whose waiter left (granted,
+-- withdrawn, pruned, or re-queued with a new arrival) no longer matches.
+local function hinted_head(h, now, hint)
+  if not hint then
+    return nil
+  end
+  local space = string.find(hint, ' ', 1, true)
+  local id = string.sub(hint, 1, space - 1)
+  local got = redis.call('HMGET', h, 'w:' .. id, 't:' .. id, 'f')
+  local w = got[1]
+  if not w or not got[2] then
+    return nil
+  end
+  local at = string.find(w, ' ', 1, true)
+  if string.sub(w, 1, at - 1) ~= string.sub(hint, space + 1)
+      or tonumber(string.sub(w, at + 1)) <= now then
+    return nil
+  end
+  return {id, got[2], got[3]}
+end
 -- The key is free: grant it to the first live waiter (returns its ticket), or wake
 -- that waiter (only it). With ``clear``, the lock fields of the holder that left are
--- removed first, unless the grant overwrites them.
-local function wake_next(h, now, stored, watched, clear)
+-- removed first, unless the grant overwrites them. ``hint`` is the hash's 'h': while
+-- it holds, a grant the caller's process watches reads three fields instead of the
+-- whole queue (a release's grant is the hand-off's critical path); the count of
+-- waiters left is then 'q' less one (stale waiters, pruned by the next full read,
+-- may still be counted).
+local function wake_next(h, now, stored, watched, clear, hint)
+  local known = watched and hinted_head(h, now, hint)
+  if known then
+    local id = known[1]
+    local q = {head = id, records = {[id] = known[2]}, f = known[3], count = stored, live = {}}
+    if grant(h, now, q, true, true) then
+      return id
+    end
+  end
   local q = queue_load(h, now)
   if q.head and grant(h, now, q, watched, true) then
     return q.head
@@ -239,7 +278,13 @@ if waiting > 0 or not free then
       if ARGV[11] == '1' then
         granted = head
       end
-      live[head], count, free = nil, count - 1, false
+      live[head], count, free, head = nil, count - 1, false, nil
+      for id, arrival in pairs(live) do  -- the new first waiter, for the head hint
+        if head == nil or arrival < q.first then
+          head = id
+          q.first = arrival
+        end
+      end
     else
       redis.pcall('PUBLISH', KEYS[1], head)
     end
@@ -263,7 +308,9 @@ if waiting > 0 or not free then
         redis.call('HSET', KEYS[1], 't:' .. ticket, ARGV[10])
       end
     end
-    redis.call('HSET', KEYS[1], 'w:' .. ticket, mine .. ' ' .. (now + tonumber(ARGV[9])))
+    -- The head hint: the first waiter, this one when nobody was ahead.
+    local hint = head and (head .. ' ' .. q.first) or (ticket .. ' ' .. mine)
+    redis.call('HSET', KEYS[1], 'w:' .. ticket, mine .. ' ' .. (now + tonumber(ARGV[9])), 'h', hint)
     queue_store(KEYS[1], count, waiting)
     local ahead = 0
     for id, arrival in pairs(live) do
@@ -313,7 +360,7 @@ local lock = redis.call('GET', KEYS[1])
 if not lock or (KEYS[2] and lock ~= KEYS[2]) then
   return {0}
 end
-local cur = redis.call('HMGET', lock, 'i', 'e', 'q', 'g')
+local cur = redis.call('HMGET', lock, 'i', 'e', 'q', 'g', 'h')
 if cur[1] ~= ARGV[1] then
   return {0}
 end
@@ -341,7 +388,7 @@ else
     + _QUEUE
     + """
   -- The lock fields go in wake_next: a grant overwrites them instead.
-  local granted = wake_next(lock, now, waiting, ARGV[3] == '1', true)
+  local granted = wake_next(lock, now, waiting, ARGV[3] == '1', true, cur[5])
   if granted and ARGV[3] == '1' then
     return {1, granted, lock}
   end
@@ -367,11 +414,11 @@ local function watched_grant(granted)
   end
   return 1
 end
-local cur = redis.call('HMGET', KEYS[1], 'i', 'e', 'q', 'g', 'G')
+local cur = redis.call('HMGET', KEYS[1], 'i', 'e', 'q', 'g', 'G', 'h')
 local waiting = tonumber(cur[3]) or 0
 if cur[1] and cur[5] == ARGV[1] then
   if waiting > 0 then
-    return watched_grant(wake_next(KEYS[1], now, waiting, ARGV[3] == '1', true))
+    return watched_grant(wake_next(KEYS[1], now, waiting, ARGV[3] == '1', true, cur[6]))
   end
   redis.call('HDEL', KEYS[1], 'i', 'e', 'k', 'o', 'g', 'G')
   return 1
@@ -384,7 +431,7 @@ if cur[1] and tonumber(cur[2]) > now - tonumber(ARGV[2]) and not lapsed(cur[4], 
   queue_store(KEYS[1], waiting - 1, waiting)
   return 1
 end
-return watched_grant(wake_next(KEYS[1], now, waiting, ARGV[3] == '1', false))
+return watched_grant(wake_next(KEYS[1], now, waiting, ARGV[3] == '1', false, cur[6]))
 """
 )
 
@@ -400,7 +447,7 @@ CHECK_GRANT = (
     _NOW
     + _QUEUE
     + """
-local cur = redis.call('HMGET', KEYS[1], 'i', 'q', 'g', 'G')
+local cur = redis.call('HMGET', KEYS[1], 'i', 'q', 'g', 'G', 'h')
 if not cur[1] or not cur[3] or cur[4] ~= ARGV[1] then
   return {0}
 end
@@ -413,7 +460,7 @@ if waiting == 0 then
   redis.call('HDEL', KEYS[1], 'i', 'e', 'k', 'o', 'g', 'G')
   return {1}
 end
-local granted = wake_next(KEYS[1], now, waiting, ARGV[2] == '1', true)
+local granted = wake_next(KEYS[1], now, waiting, ARGV[2] == '1', true, cur[5])
 if granted and ARGV[2] == '1' then
   return {1, granted}
 end
