@@ -1,0 +1,301 @@
+"""Where a Redis hand-off's time goes, step by step, next to the FIFO floor (issue 24).
+
+    .venv/bin/python bench/handoff_steps.py [--hold-ms 20] [--seconds 6] [--processes 8]
+
+Starts a throw-away ``redis-server`` on a free loopback port, then, one after the
+other, two runs of ``--processes`` spawned processes looping on one hot key with a
+``--hold-ms`` body, as ``bench/contention.py``'s target cell does:
+
+- ``syncguard``: ``lock(body, key=...)`` on the Redis backend with its defaults;
+- ``FIFO floor``: ``bench/contention.py``'s ``FifoFloor`` (a queue list and a
+  ``BLPOP`` per waiter; no fence, no expiry check, no index, no cancellation).
+
+Each process stamps ``time.monotonic_ns()`` (one clock for every process on a host)
+at points of the path, by wrapping the functions named below in its own copy of the
+package. For every hand-off (a body left while another process's call waits, to the
+next body entered, in another process) the report gives the p50 of each step:
+
+| step | from | to |
+|---|---|---|
+| exit → release | the releaser's body returns | ``RedisBackend.release`` is called |
+| release → send | | the release script's request is written to the socket |
+| send → read | | the grantee's process starts reading its wake-up socket |
+| read → parsed | | the socket's replies are parsed into events |
+| parsed → delivered | | ``WakeUps.deliver`` has woken the waiter |
+| delivered → returned | | the waiter's ``wait_for`` returns |
+| returned → granted | | the wait session returns the grant as the acquire's result |
+| granted → body | | the grantee's body starts |
+
+For the floor: exit → release, release → send, send → ``BLPOP`` returned, → body.
+The wrappers add a few microseconds to each step; both runs pay them alike. The
+release script's own time on the server (``SLOWLOG``, every call logged) is given
+too. The stamps say where the time goes; ``bench/contention.py`` says how long a
+hand-off takes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import hashlib
+import itertools
+import multiprocessing
+import os
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from tests.support.servers import RedisServer  # noqa: E402
+
+OURS = ("exit", "release", "send", "read", "parsed", "delivered", "returned", "granted", "body")
+FLOOR = ("exit", "release", "send", "popped", "body")
+Stamps = list[tuple[str, int]]
+
+
+def stamp_ours(record: Callable[[str], None], local: threading.local) -> None:
+    """Wrap the package's functions on the path so that they stamp."""
+    import redis.connection
+
+    from django_syncguard.backends.redis import client, wakeups
+    from django_syncguard.backends.redis.backend import RedisBackend
+    from django_syncguard.waiting import channels, listeners, session
+
+    def around(owner: Any, name: str, before: str = "", after: str = "") -> None:
+        wrapped = getattr(owner, name)
+
+        def stamped(*args: Any, **kwargs: Any) -> Any:
+            if before:
+                record(before)
+            result = wrapped(*args, **kwargs)
+            if after:
+                record(after)
+            return result
+
+        setattr(owner, name, stamped)
+
+    release = RedisBackend.release
+
+    def releasing(self: Any, *args: Any, **kwargs: Any) -> Any:
+        record("release")
+        local.releasing = True
+        try:
+            return release(self, *args, **kwargs)
+        finally:
+            local.releasing = False
+
+    RedisBackend.release = releasing  # type: ignore[method-assign]
+    stamp_sends(record, local, redis.connection)
+    replies = client.SocketReader.replies
+
+    def reading(self: Any) -> Any:
+        record("read")
+        yield from replies(self)
+
+    client.SocketReader.replies = reading  # type: ignore[method-assign]
+    around(wakeups._Subscriber, "receive", after="parsed")
+    around(listeners.WakeUps, "deliver", after="delivered")
+    around(channels.ChannelWorker, "wait_for", after="returned")
+    around(session.WaitSession, "attempt", after="granted")
+
+
+def stamp_sends(record: Callable[[str], None], local: threading.local, module: Any) -> None:
+    """Stamp "send" when a release writes its request."""
+    owner = getattr(module, "AbstractConnection", module.Connection)
+    send = owner.send_packed_command
+
+    def sending(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if getattr(local, "releasing", False):
+            record("send")
+        return send(self, *args, **kwargs)
+
+    owner.send_packed_command = sending
+
+
+def floor_method(url: str, record: Callable[[str], None], local: threading.local) -> Any:
+    import redis.commands.core
+    import redis.connection
+
+    import bench.contention as contention
+
+    class Unmetered:
+        def attempt(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+            return fn(*args, **kwargs)
+
+        def op(self, what: str) -> None:
+            pass
+
+    contention.METER = Unmetered()  # type: ignore[assignment]
+    method = contention.FifoFloor(contention.Target("redis", url))
+    blpop = redis.commands.core.ListCommands.blpop
+
+    def popping(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = blpop(self, *args, **kwargs)
+        record("popped")
+        return result
+
+    redis.commands.core.ListCommands.blpop = popping  # type: ignore[method-assign]
+    release = method.release
+
+    def releasing(*args: Any, **kwargs: Any) -> Any:
+        record("release")
+        local.releasing = True
+        try:
+            return release(*args, **kwargs)
+        finally:
+            local.releasing = False
+
+    method.release = releasing
+    stamp_sends(record, local, redis.connection)
+    return method
+
+
+def child(kind: str, url: str, hold_s: float, start_ns: int, seconds: float, out: Any) -> None:
+    from bench.common import configure_django
+
+    location = {"BACKEND": "django_syncguard.backends.redis.RedisBackend", "LOCATION": url}
+    configure_django({}, {"default": location})
+    stamps: Stamps = []
+    local = threading.local()
+
+    def record(name: str) -> None:
+        stamps.append((name, time.monotonic_ns()))
+
+    def body() -> None:
+        record("body")
+        time.sleep(hold_s)
+        record("exit")
+
+    if kind == "ours":
+        from django_syncguard import lock
+
+        stamp_ours(record, local)
+
+        def hold(key: str) -> None:
+            lock(body, key=key, ttl_ms=10_000, timeout_ms=5_000)
+
+    else:
+        method = floor_method(url, record, local)
+
+        def hold(key: str) -> None:
+            method.hold(key, body, filler=False)
+
+    hold(f"warm-{os.getpid()}")  # connections, scripts, the wake-up thread
+    stamps.clear()
+    time.sleep(max(start_ns - time.monotonic_ns(), 0) / 1e9)
+    end = start_ns + int(seconds * 1e9)
+    while time.monotonic_ns() < end:
+        hold("hot")
+    out.put((os.getpid(), stamps))
+
+
+def steps(runs: dict[int, Stamps], chain: tuple[str, ...]) -> dict[str, list[int]]:
+    """Per hand-off, the time of each step of ``chain`` (ns): from the releaser's exit
+    to the first of the next step in its process, then the last of each step in the
+    grantee's process before its body."""
+    bodies = sorted(
+        (t, pid) for pid, stamps in runs.items() for name, t in stamps if name == "body"
+    )
+    entered = [t for t, _ in bodies]
+    by_pid = {pid: sorted((t, name) for name, t in stamps) for pid, stamps in runs.items()}
+    found: dict[str, list[int]] = {f"{a} → {b}": [] for a, b in itertools.pairwise(chain)}
+    found["hand-off"] = []
+    for pid, stamps in by_pid.items():
+        for exit_ns, name in stamps:
+            if name != "exit":
+                continue
+            i = bisect.bisect_right(entered, exit_ns)
+            if i == len(bodies) or bodies[i][1] == pid or bodies[i][0] - exit_ns > 50_000_000:
+                continue  # the releaser barged in again, or nobody was waiting
+            body_ns, grantee = bodies[i]
+            times = [exit_ns]
+            for step in chain[1:-1]:
+                own = stamps if step in ("release", "send") else by_pid[grantee]
+                inside = [t for t, n in own if n == step and times[-1] <= t <= body_ns]
+                if not inside:
+                    break
+                times.append(inside[0] if own is stamps else inside[-1])
+            else:
+                times.append(body_ns)
+                for (a, b), (t0, t1) in zip(
+                    itertools.pairwise(chain), itertools.pairwise(times), strict=True
+                ):
+                    found[f"{a} → {b}"].append(t1 - t0)
+                found["hand-off"].append(body_ns - exit_ns)
+    return found
+
+
+def run(kind: str, url: str, args: argparse.Namespace) -> dict[int, Stamps]:
+    context = multiprocessing.get_context("spawn")
+    out = context.Queue()
+    start_ns = time.monotonic_ns() + int(5e9)
+    hold_s = args.hold_ms / 1000
+    processes = [
+        context.Process(target=child, args=(kind, url, hold_s, start_ns, args.seconds, out))
+        for _ in range(args.processes)
+    ]
+    for process in processes:
+        process.start()
+    runs = dict(out.get(timeout=120) for _ in processes)
+    for process in processes:
+        process.join(30)
+    return runs
+
+
+def release_script_us(client: Any) -> list[int]:
+    from django_syncguard.backends.redis.scripts import RELEASE
+
+    digest = hashlib.sha1(RELEASE.encode()).hexdigest().encode()
+    return [
+        entry["duration"]
+        for entry in client.slowlog_get(1_000_000)
+        if entry["command"].split()[:2] == [b"EVALSHA", digest]
+    ]
+
+
+def p50_us(values: list[int], scale: float = 1000) -> str:
+    return f"{statistics.median(values) / scale:,.0f}" if values else "-"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hold-ms", type=float, default=20)
+    parser.add_argument("--seconds", type=float, default=6)
+    parser.add_argument("--processes", type=int, default=8)
+    args = parser.parse_args()
+    import redis
+
+    server = RedisServer().start()
+    try:
+        url = f"redis://127.0.0.1:{server.port}/0"
+        client = redis.Redis.from_url(url)
+        client.config_set("slowlog-max-len", 1_000_000)
+        client.config_set("slowlog-log-slower-than", 0)
+        ours = steps(run("ours", url, args), OURS)
+        script = release_script_us(client)
+        floor = steps(run("fifo", url, args), FLOOR)
+        client.close()
+    finally:
+        server.stop()
+    print(
+        f"# Hand-off steps: {args.processes} processes x {args.hold_ms:g} ms holds, "
+        f"{args.seconds:g} s each, p50 in µs\n"
+    )
+    print(f"syncguard: {len(ours['hand-off'])} hand-offs; FIFO floor: {len(floor['hand-off'])}\n")
+    print("| step | syncguard | FIFO floor |\n|---|--:|--:|")
+    for name, values in ours.items():
+        print(f"| {name} | {p50_us(values)} | {p50_us(floor.get(name, []))} |")
+    print(f"| send → popped (floor) | | {p50_us(floor['send → popped'])} |")
+    print(f"| popped → body (floor) | | {p50_us(floor['popped → body'])} |")
+    print(f"\nThe release script on the server (SLOWLOG), syncguard: p50 {p50_us(script, 1)} µs.")
+
+
+if __name__ == "__main__":
+    main()
