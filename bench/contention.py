@@ -1613,9 +1613,9 @@ def main() -> None:
     parser.add_argument("--backends", default=",".join(BACKENDS), help="comma-separated")
     parser.add_argument(
         "--methods",
-        default="on,off,redis-py,prl",
-        help="comma-separated, of on, off, redis-py, prl (default: all four; the last two "
-        "on Redis only, where they run in every cell beside ours)",
+        default="on,off,redis-py,prl,fifo",
+        help="comma-separated, of on, off, redis-py, prl, fifo (default: all five; the last "
+        "three on Redis only, where they run in every cell beside ours)",
     )
     parser.add_argument(
         "--clients",
