@@ -500,10 +500,9 @@ end
 redis.call('RPUSH', KEYS[2], ARGV[1])
 return 0
 """
-    RELEASE = """
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then
-  return 0
-end
+    # The key goes to the next waiter in the list (it is told on its own list), or is
+    # deleted when nobody waits.
+    HAND_ON = """
 local nxt = redis.call('LPOP', KEYS[2])
 if nxt then
   redis.call('SET', KEYS[1], nxt, 'PX', ARGV[2])
@@ -511,22 +510,26 @@ if nxt then
 else
   redis.call('DEL', KEYS[1])
 end
-return 1
 """
+    RELEASE = (
+        """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then
+  return 0
+end
+"""
+        + HAND_ON
+        + "return 1\n"
+    )
     # A waiter that gave up leaves the queue; the key granted to it meanwhile goes on.
-    LEAVE = """
+    LEAVE = (
+        """
 redis.call('LREM', KEYS[2], 0, ARGV[1])
 redis.call('DEL', ARGV[3] .. ARGV[1])
 if redis.call('GET', KEYS[1]) == ARGV[1] then
-  local nxt = redis.call('LPOP', KEYS[2])
-  if nxt then
-    redis.call('SET', KEYS[1], nxt, 'PX', ARGV[2])
-    redis.call('RPUSH', ARGV[3] .. nxt, 1)
-  else
-    redis.call('DEL', KEYS[1])
-  end
-end
 """
+        + HAND_ON
+        + "end\n"
+    )
 
     def __init__(self, target: Target) -> None:
         import redis
