@@ -1079,3 +1079,29 @@ def test_the_head_hint_goes_with_the_queue(watched):
     assert fields(backend, key)[b"h"] == f"{second.id} 1".encode()
     assert backend.release(held.lock_id).ok
     assert b"h" not in fields(backend, key) and fields(backend, key)[b"G"] == second.id.encode()
+
+
+def test_a_withdrawal_that_grants_from_the_hint_counts_both_waiters_gone(watched, rh):
+    """The lease ran out with two waiters queued; the second withdraws, and its
+    withdrawal grants the key to the first from the hint: both left the queue, so no
+    field of it is left (no 'q' or 'n' counting a waiter that is not there)."""
+    backend, key = watched, "x:hint-withdraw"
+    assert backend.acquire(key, TTL).ok
+    first, second = (WaitTicket(generate_lock_id(), patience_ms=10 * TTL) for _ in range(2))
+    queued(backend, key, first, second)
+    rh.advance(2 * TTL)  # past the lease (and its tolerance), within the patience
+    name = backend.lock_key(key)
+    seen = commands_on(backend, name, lambda: backend.withdraw(key, second.id))
+    assert ["HGETALL", name] not in seen  # granted from the hint
+    assert fields(backend, key).keys() == {b"f", b"i", b"e", b"a", b"g", b"G", b"o"}
+    assert fields(backend, key)[b"G"] == first.id.encode()
+
+
+def test_a_first_waiter_that_takes_the_key_itself_takes_the_hint_along(watched, rh):
+    backend, key = watched, "x:hint-self"
+    assert backend.acquire(key, TTL).ok
+    first, second = (WaitTicket(generate_lock_id(), patience_ms=10 * TTL) for _ in range(2))
+    queued(backend, key, first, second)
+    rh.advance(2 * TTL)
+    assert backend.acquire(key, TTL, ticket=first).ok  # no grant was made: it takes it
+    assert b"h" not in fields(backend, key)

@@ -186,16 +186,19 @@ local function hinted_head(h, now, hint)
 end
 -- The key is free: grant it to the first live waiter (returns its ticket), or wake
 -- that waiter (only it). With ``clear``, the lock fields of the holder that left are
--- removed first, unless the grant overwrites them. ``hint`` is the hash's 'h': while
--- it holds, a grant the caller's process watches reads three fields instead of the
--- whole queue (a release's grant is the hand-off's critical path); the count of
--- waiters left is then 'q' less one (stale waiters, pruned by the next full read,
--- may still be counted).
-local function wake_next(h, now, stored, watched, clear, hint)
+-- removed first, unless the grant overwrites them. ``stored`` is the hash's 'q';
+-- ``counted`` how many waiters that leaves (less than 'q' when the caller removed one
+-- already; default 'q'). ``hint`` is the hash's 'h': while it holds, a grant the
+-- caller's process watches reads three fields instead of the whole queue (a
+-- release's grant is the hand-off's critical path); the count of waiters left is then
+-- ``counted`` less one (stale waiters, pruned by the next full read, may still be in
+-- it).
+local function wake_next(h, now, stored, watched, clear, hint, counted)
   local known = watched and hinted_head(h, now, hint)
   if known then
     local id = known[1]
-    local q = {head = id, records = {[id] = known[2]}, f = known[3], count = stored, live = {}}
+    local q = {head = id, records = {[id] = known[2]}, f = known[3],
+      count = counted or stored, live = {}}
     if grant(h, now, q, true, true) then
       return id
     end
@@ -291,7 +294,8 @@ if waiting > 0 or not free then
   end
   if free and (head == nil or head == ticket) then
     if live[ticket] then
-      redis.call('HDEL', KEYS[1], 'w:' .. ticket, 's:' .. ticket, 't:' .. ticket)
+      -- The first waiter takes the key itself: the head hint named it.
+      redis.call('HDEL', KEYS[1], 'w:' .. ticket, 's:' .. ticket, 't:' .. ticket, 'h')
       count = count - 1
     end
     queue_store(KEYS[1], count, waiting)
@@ -431,7 +435,8 @@ if cur[1] and tonumber(cur[2]) > now - tonumber(ARGV[2]) and not lapsed(cur[4], 
   queue_store(KEYS[1], waiting - 1, waiting)
   return 1
 end
-return watched_grant(wake_next(KEYS[1], now, waiting, ARGV[3] == '1', false, cur[6]))
+return watched_grant(
+  wake_next(KEYS[1], now, waiting, ARGV[3] == '1', false, cur[6], waiting - 1))
 """
 )
 
