@@ -66,17 +66,16 @@ class Queue:
         self.tickets.append(self.queued())
 
 
-def durations(client: Any, digest: bytes, keys: dict[str, str]) -> dict[str, list[int]]:
-    """The release calls' durations (µs) in the slow log, by the way of their key."""
-    found: dict[str, list[int]] = {way: [] for way in keys.values()}
-    for entry in client.slowlog_get(10_000_000):
-        words = entry["command"].split()
-        if words[:2] == [b"EVALSHA", digest]:
-            index = words[3].decode()
-            for prefix, way in keys.items():
-                if index.startswith(prefix):
-                    found[way].append(entry["duration"])
-    return found
+def release_durations(client: Any) -> list[tuple[str, int]]:
+    """The release script's calls in the server's slow log: (its index key, µs)."""
+    from django_syncguard.backends.redis.scripts import RELEASE
+
+    digest = hashlib.sha1(RELEASE.encode()).hexdigest().encode()
+    return [
+        (words[3].decode(), entry["duration"])
+        for entry in client.slowlog_get(10_000_000)
+        if (words := entry["command"].split())[:2] == [b"EVALSHA", digest]
+    ]
 
 
 def main() -> None:
@@ -88,9 +87,7 @@ def main() -> None:
 
     configure_django({})
     from django_syncguard.backends.redis import RedisBackend
-    from django_syncguard.backends.redis.scripts import RELEASE
 
-    digest = hashlib.sha1(RELEASE.encode()).hexdigest().encode()
     server = RedisServer().start()
     rows = []
     try:
@@ -115,7 +112,11 @@ def main() -> None:
                     queue.cycle(full_read=way == "full read")
             client.config_set("slowlog-log-slower-than", 10_000)
             index_heads = {backend.index_key(""): way for way, backend in backends.items()}
-            found = durations(client, digest, index_heads)
+            found: dict[str, list[int]] = {way: [] for way in ways}
+            for index, duration in release_durations(client):
+                for head, way in index_heads.items():
+                    if index.startswith(head):
+                        found[way].append(duration)
             for way, values in found.items():
                 values.sort()
                 p90 = values[int(len(values) * 0.9)]

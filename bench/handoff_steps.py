@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import bisect
-import hashlib
 import itertools
 import multiprocessing
 import os
@@ -53,6 +52,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench.grant_scaling import release_durations  # noqa: E402
 from tests.support.servers import RedisServer  # noqa: E402
 
 OURS = ("exit", "release", "send", "read", "parsed", "delivered", "returned", "granted", "body")
@@ -60,39 +60,54 @@ FLOOR = ("exit", "release", "send", "popped", "body")
 Stamps = list[tuple[str, int]]
 
 
-def stamp_ours(record: Callable[[str], None], local: threading.local) -> None:
-    """Wrap the package's functions on the path so that they stamp."""
+def around(owner: Any, name: str, record: Callable[[str], None], after: str) -> None:
+    """Wrap ``owner.name`` so that it stamps ``after`` when it returns."""
+    wrapped = getattr(owner, name)
+
+    def stamped(*args: Any, **kwargs: Any) -> Any:
+        result = wrapped(*args, **kwargs)
+        record(after)
+        return result
+
+    setattr(owner, name, stamped)
+
+
+def stamp_release(
+    owner: Any, name: str, record: Callable[[str], None], local: threading.local
+) -> None:
+    """Stamp "release" when ``owner.name`` is called, and "send" when that call writes
+    its request to a redis-py connection."""
     import redis.connection
 
+    release = getattr(owner, name)
+
+    def releasing(*args: Any, **kwargs: Any) -> Any:
+        record("release")
+        local.releasing = True
+        try:
+            return release(*args, **kwargs)
+        finally:
+            local.releasing = False
+
+    setattr(owner, name, releasing)
+    connection = getattr(redis.connection, "AbstractConnection", redis.connection.Connection)
+    send = connection.send_packed_command
+
+    def sending(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if getattr(local, "releasing", False):
+            record("send")
+        return send(self, *args, **kwargs)
+
+    connection.send_packed_command = sending
+
+
+def stamp_ours(record: Callable[[str], None], local: threading.local) -> None:
+    """Wrap the package's functions on the path so that they stamp."""
     from django_syncguard.backends.redis import client, wakeups
     from django_syncguard.backends.redis.backend import RedisBackend
     from django_syncguard.waiting import channels, listeners, session
 
-    def around(owner: Any, name: str, before: str = "", after: str = "") -> None:
-        wrapped = getattr(owner, name)
-
-        def stamped(*args: Any, **kwargs: Any) -> Any:
-            if before:
-                record(before)
-            result = wrapped(*args, **kwargs)
-            if after:
-                record(after)
-            return result
-
-        setattr(owner, name, stamped)
-
-    release = RedisBackend.release
-
-    def releasing(self: Any, *args: Any, **kwargs: Any) -> Any:
-        record("release")
-        local.releasing = True
-        try:
-            return release(self, *args, **kwargs)
-        finally:
-            local.releasing = False
-
-    RedisBackend.release = releasing  # type: ignore[method-assign]
-    stamp_sends(record, local, redis.connection)
+    stamp_release(RedisBackend, "release", record, local)
     replies = client.SocketReader.replies
 
     def reading(self: Any) -> Any:
@@ -100,28 +115,14 @@ def stamp_ours(record: Callable[[str], None], local: threading.local) -> None:
         yield from replies(self)
 
     client.SocketReader.replies = reading  # type: ignore[method-assign]
-    around(wakeups._Subscriber, "receive", after="parsed")
-    around(listeners.WakeUps, "deliver", after="delivered")
-    around(channels.ChannelWorker, "wait_for", after="returned")
-    around(session.WaitSession, "attempt", after="granted")
-
-
-def stamp_sends(record: Callable[[str], None], local: threading.local, module: Any) -> None:
-    """Stamp "send" when a release writes its request."""
-    owner = getattr(module, "AbstractConnection", module.Connection)
-    send = owner.send_packed_command
-
-    def sending(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if getattr(local, "releasing", False):
-            record("send")
-        return send(self, *args, **kwargs)
-
-    owner.send_packed_command = sending
+    around(wakeups._Subscriber, "receive", record, "parsed")
+    around(listeners.WakeUps, "deliver", record, "delivered")
+    around(channels.ChannelWorker, "wait_for", record, "returned")
+    around(session.WaitSession, "attempt", record, "granted")
 
 
 def floor_method(url: str, record: Callable[[str], None], local: threading.local) -> Any:
     import redis.commands.core
-    import redis.connection
 
     import bench.contention as contention
 
@@ -134,26 +135,8 @@ def floor_method(url: str, record: Callable[[str], None], local: threading.local
 
     contention.METER = Unmetered()  # type: ignore[assignment]
     method = contention.FifoFloor(contention.Target("redis", url))
-    blpop = redis.commands.core.ListCommands.blpop
-
-    def popping(self: Any, *args: Any, **kwargs: Any) -> Any:
-        result = blpop(self, *args, **kwargs)
-        record("popped")
-        return result
-
-    redis.commands.core.ListCommands.blpop = popping  # type: ignore[method-assign]
-    release = method.release
-
-    def releasing(*args: Any, **kwargs: Any) -> Any:
-        record("release")
-        local.releasing = True
-        try:
-            return release(*args, **kwargs)
-        finally:
-            local.releasing = False
-
-    method.release = releasing
-    stamp_sends(record, local, redis.connection)
+    around(redis.commands.core.ListCommands, "blpop", record, "popped")
+    stamp_release(method, "release", record, local)
     return method
 
 
@@ -249,17 +232,6 @@ def run(kind: str, url: str, args: argparse.Namespace) -> dict[int, Stamps]:
     return runs
 
 
-def release_script_us(client: Any) -> list[int]:
-    from django_syncguard.backends.redis.scripts import RELEASE
-
-    digest = hashlib.sha1(RELEASE.encode()).hexdigest().encode()
-    return [
-        entry["duration"]
-        for entry in client.slowlog_get(1_000_000)
-        if entry["command"].split()[:2] == [b"EVALSHA", digest]
-    ]
-
-
 def p50_us(values: list[int], scale: float = 1000) -> str:
     return f"{statistics.median(values) / scale:,.0f}" if values else "-"
 
@@ -279,7 +251,7 @@ def main() -> None:
         client.config_set("slowlog-max-len", 1_000_000)
         client.config_set("slowlog-log-slower-than", 0)
         ours = steps(run("ours", url, args), OURS)
-        script = release_script_us(client)
+        script = [duration for _, duration in release_durations(client)]
         floor = steps(run("fifo", url, args), FLOOR)
         client.close()
     finally:
