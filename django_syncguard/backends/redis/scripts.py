@@ -71,6 +71,17 @@ local function queue_load(h, now)
   hdel_all(h, stale)
   return {live = live, count = count, head = head, first = first, records = records, f = f}
 end
+-- The live waiter of ``live`` (queue_load's) with the smallest arrival, other than
+-- ``skip``: its id and arrival (nil when there is none).
+local function first_of(live, skip)
+  local head, first = nil, nil
+  for id, arrival in pairs(live) do
+    if id ~= skip and (first == nil or arrival < first) then
+      head, first = id, arrival
+    end
+  end
+  return head, first
+end
 -- Record the number of waiters (only when it changed); an empty queue leaves no field.
 local function queue_store(h, count, stored)
   if count == stored then
@@ -145,12 +156,7 @@ local function grant(h, now, q, watched, final)
   if watched then
     return true
   end
-  local second, first = nil, nil
-  for id, arrival in pairs(q.live) do
-    if id ~= head and (first == nil or arrival < first) then
-      second, first = id, arrival
-    end
-  end
+  local second = first_of(q.live, head)
   local after = second and q.records[second]
   if after then
     local channel = cjson.decode(after)[11] or ''
@@ -272,7 +278,7 @@ if waiting > 0 or not free then
     + _QUEUE
     + """
   local q = queue_load(KEYS[1], now)
-  local live, count, head = q.live, q.count, q.head
+  local live, count, head, first = q.live, q.count, q.head, q.first
   local granted = nil
   if free and head ~= nil and head ~= ticket then
     -- Free, and another waiter is first: a lease ran out, or a grant lapsed, and this
@@ -281,13 +287,8 @@ if waiting > 0 or not free then
       if ARGV[11] == '1' then
         granted = head
       end
-      live[head], count, free, head = nil, count - 1, false, nil
-      for id, arrival in pairs(live) do  -- the new first waiter, for the head hint
-        if head == nil or arrival < q.first then
-          head = id
-          q.first = arrival
-        end
-      end
+      live[head], count, free = nil, count - 1, false
+      head, first = first_of(live)  -- the new first waiter, for the head hint
     else
       redis.pcall('PUBLISH', KEYS[1], head)
     end
@@ -313,7 +314,7 @@ if waiting > 0 or not free then
       end
     end
     -- The head hint: the first waiter, this one when nobody was ahead.
-    local hint = head and (head .. ' ' .. q.first) or (ticket .. ' ' .. mine)
+    local hint = head and (head .. ' ' .. first) or (ticket .. ' ' .. mine)
     redis.call('HSET', KEYS[1], 'w:' .. ticket, mine .. ' ' .. (now + tonumber(ARGV[9])), 'h', hint)
     queue_store(KEYS[1], count, waiting)
     local ahead = 0
