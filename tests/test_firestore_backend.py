@@ -385,10 +385,107 @@ def test_a_counter_compacted_between_an_acquires_read_and_write(fh, monkeypatch)
     assert reads == [
         {"fence:raced": {"fence": "000000000000008", "acquiredAtMs": acquired_at}},
         {"syncguard:floor": {"floor": "000000000000050"}},
+        # It created the counter: the floor once more, still below its fence (53).
+        {"syncguard:floor": {"floor": "000000000000050"}},
     ]
     assert result.fence == "000000000000051"
     assert fence_docs(fh)["fence:raced"]["fence"] == "000000000000051"
     assert backend.fence_state().floor == 50
+
+
+def _take_and_compact(fh, key: str) -> list[str]:
+    """Another process takes ``key`` (fence 1) and gives it back, then compaction
+    raises the floor to 1 and deletes the counter: the key is as it was, but for the
+    floor. Returns the fences that process got."""
+    other = elsewhere(fh)
+    try:
+        fences = [take(other, key)]
+        fh.advance(10_000)
+        assert sum(other.compact_fences(idle_ms=5_000)) == 1
+    finally:
+        other.close()
+    return fences
+
+
+def test_a_counter_created_and_compacted_between_an_acquires_read_and_write(fh, monkeypatch):
+    # The acquire reads: no lock, no counter, floor 0, and plans fence 1 with "still
+    # absent" guards. Before it commits, another process takes the key (fence 1) and
+    # gives it back, and compaction deletes that counter: both documents are absent
+    # again, so the guards pass. The floor (now 1) tells: the lock is given back and
+    # taken again above it, and fence 1 is never handed out twice.
+    backend = fh.firestore
+    client = backend.client
+    get_all = client.get_all
+    reads: list[dict[str, dict]] = []
+    others: list[str] = []
+
+    def read_then_interleave(refs, *args, **kwargs):
+        snaps = list(get_all(refs, *args, **kwargs))
+        reads.append({s.id: s.to_dict() for s in snaps if s.exists})
+        if len(reads) == 1:
+            others.extend(_take_and_compact(fh, "aba"))
+        return snaps
+
+    monkeypatch.setattr(client, "get_all", read_then_interleave)
+    result = backend.acquire("aba", 60_000)
+    monkeypatch.undo()
+
+    assert others == ["000000000000001"]
+    assert result.fence == "000000000000002"
+    floor = {"syncguard:floor": {"floor": "000000000000001"}}
+    assert reads[0] == {}  # nothing there: the plan was fence 1
+    assert reads[1] == floor  # the check after the commit (the counter it wrote is 1)
+    assert lock_docs(fh)["aba"]["lockId"] == result.lock_id
+    assert fence_docs(fh)["fence:aba"]["fence"] == "000000000000002"
+    assert backend.release(result.lock_id).ok
+    assert take(backend, "aba") == "000000000000003"
+
+
+async def test_the_async_acquire_checks_the_floor_after_creating_a_counter(fh, monkeypatch):
+    backend = fh.firestore
+    client = backend.aclient()
+    get_all = client.get_all
+    reads: list[dict[str, dict]] = []
+
+    async def read_then_interleave(refs, *args, **kwargs):
+        snaps = [snap async for snap in get_all(refs, *args, **kwargs)]
+        reads.append({s.id: s.to_dict() for s in snaps if s.exists})
+        if len(reads) == 1:
+            _take_and_compact(fh, "async-aba")
+        for snap in snaps:
+            yield snap
+
+    monkeypatch.setattr(client, "get_all", read_then_interleave)
+    result = await backend.aacquire("async-aba", 60_000)
+    monkeypatch.undo()
+
+    assert result.fence == "000000000000002"
+    assert reads[:2] == [{}, {"syncguard:floor": {"floor": "000000000000001"}}]
+    assert (await backend.arelease(result.lock_id)).ok
+    await backend.clients.aclose()
+
+
+def test_an_acquire_that_creates_a_counter_reads_the_floor_once_more(fh, monkeypatch):
+    # The price of that check: one read of the floor, only when the counter is new.
+    backend = fh.firestore
+    client = backend.client
+    get_all = client.get_all
+    reads: list[list[str]] = []
+
+    def counted(refs, *args, **kwargs):
+        refs = list(refs)
+        reads.append([ref.id for ref in refs])
+        return get_all(refs, *args, **kwargs)
+
+    monkeypatch.setattr(client, "get_all", counted)
+    first = backend.acquire("new-key", 60_000)
+    assert reads == [["new-key", "fence:new-key", "syncguard:floor"], ["syncguard:floor"]]
+    assert backend.release(first.lock_id).ok
+    reads.clear()
+    second = backend.acquire("new-key", 60_000)
+    assert reads == [["new-key", "fence:new-key", "syncguard:floor"]]
+    assert [first.fence, second.fence] == ["000000000000001", "000000000000002"]
+    assert backend.release(second.lock_id).ok
 
 
 def test_an_acquire_between_compactions_read_and_delete_keeps_its_counter(fh, monkeypatch):

@@ -400,7 +400,9 @@ class FirestoreBackend(BatchedCleanup, BaseLockBackend):
         result = AcquireResult(
             ok=True, lock_id=lock_id, expires_at_ms=expires, fence=format_fence(fence)
         )
-        return _Plan(result, write=True, waiting_until=waiting_until)
+        return _Plan(
+            result, write=True, waiting_until=waiting_until, new_counter=not counter.exists
+        )
 
     def _request(self, lock_id: str, ttl_ms: int) -> dict[str, Any]:
         """A new place's grant record: what this acquire would write (documents.py)."""
@@ -508,37 +510,63 @@ class FirestoreBackend(BatchedCleanup, BaseLockBackend):
     # also fails the guard, and then the key is free: so read again rather than guess.
     # A waiter's write of its place fails the same way when another waiter or the
     # holder wrote first, and is decided again on a fresh read.
+    #
+    # An acquire that created the key's counter checks the floor once more before it
+    # answers (decision 53): "still absent" cannot tell a counter that never existed
+    # from one created and compacted away between our read and our commit, whose fence
+    # the floor then carries. A floor at or above our fence means that may have
+    # happened: the lock is given back and taken again above the floor.
     def _acquire(
         self, key: str, ttl_ms: int, cancel: CancelToken | None, ticket: WaitTicket | None = None
     ) -> AcquireResult:
-        refs, lock_id = self._acquire_refs(key), generate_lock_id()
+        refs, lock_id, created = self._acquire_refs(key), generate_lock_id(), False
         for _ in range(CONFLICT_ATTEMPTS):
             snaps = self._call(lambda: list(self.client.get_all(list(refs))))
             batch = self.client.batch()
             plan = self._plan_acquire(batch, key, ttl_ms, snaps, refs, cancel, ticket, lock_id)
+            created |= plan.new_counter  # kept while an unknown commit may have applied
             if not plan.write:
-                return self._decided(plan, refs)
-            if not plan.crossed:
-                note_sent(lock_id)  # only a commit can take the lock, not the reads before it
-            if self._commit(batch):
-                return self._committed(plan, refs, batch)
+                result = self._decided(plan, refs)
+            else:
+                if not plan.crossed:
+                    note_sent(lock_id)  # only a commit can take the lock, not the reads before
+                if not self._commit(batch):
+                    continue
+                result = self._committed(plan, refs, batch)
+            if not (created and _ours(result, lock_id)):
+                return result
+            floor = self._call(lambda: list(self.client.get_all([refs[2]])))
+            if _fence_of(result) > _floor_of(floor[0]):
+                return result
+            self._release(lock_id, None)
+            lock_id, created = generate_lock_id(), False
         return AcquireResult.locked()  # the lock kept changing under us: contention
 
     async def _aacquire(
         self, key: str, ttl_ms: int, cancel: CancelToken | None, ticket: WaitTicket | None = None
     ) -> AcquireResult:
         client = self.aclient()
-        refs, lock_id = self._acquire_refs(key, client), generate_lock_id()
+        refs, lock_id, created = self._acquire_refs(key, client), generate_lock_id(), False
         for _ in range(CONFLICT_ATTEMPTS):
             snaps = await self._acall(_collect(client.get_all(list(refs))))
             batch = client.batch()
             plan = self._plan_acquire(batch, key, ttl_ms, snaps, refs, cancel, ticket, lock_id)
+            created |= plan.new_counter
             if not plan.write:
-                return self._decided(plan, refs)
-            if not plan.crossed:
-                note_sent(lock_id)
-            if await self._acommit(batch):
-                return self._committed(plan, refs, batch)
+                result = self._decided(plan, refs)
+            else:
+                if not plan.crossed:
+                    note_sent(lock_id)
+                if not await self._acommit(batch):
+                    continue
+                result = self._committed(plan, refs, batch)
+            if not (created and _ours(result, lock_id)):
+                return result
+            floor = await self._acall(_collect(client.get_all([refs[2]])))
+            if _fence_of(result) > _floor_of(floor[0]):
+                return result
+            await self._arelease(lock_id, None)
+            lock_id, created = generate_lock_id(), False
         return AcquireResult.locked()
 
     def _committed(self, plan: _Plan, refs: _AcquireRefs, batch: Any) -> AcquireResult:
@@ -1277,6 +1305,8 @@ class _Plan:
     # ``locked`` after this attempt granted the key to the first waiter. Either way
     # the batch takes no lock id of this call.
     crossed: bool = False
+    # The batch creates the key's fence counter (it was absent at the read).
+    new_counter: bool = False
 
 
 def _renewal_due(
@@ -1325,6 +1355,16 @@ def _stamp(batch: Any, snap: Any, now: int) -> None:
 def _delete_since(batch: Any, ref: Any, update_time: Any) -> None:
     """Delete ``ref`` only if it was last written at ``update_time``."""
     batch.delete(ref, **_unchanged_since(update_time))
+
+
+def _ours(result: AcquireResult, lock_id: str) -> bool:
+    """Whether ``result`` is the lock this attempt took under ``lock_id``."""
+    return result.ok and result.lock_id == lock_id
+
+
+def _fence_of(result: AcquireResult) -> int:
+    assert result.fence is not None
+    return int(result.fence)
 
 
 def _floor_of(snap: Any) -> int:
