@@ -305,3 +305,40 @@ def test_a_forked_child_s_owner_label_names_the_child_s_pid(harness):
     assert childs["label"] == f"{host}:{forked.pid} thread:{thread} -"
     # The parent's label is unchanged by the fork.
     assert backend.lookup(key="fork:owner:parent").owner == parents_label
+
+
+@pytest.mark.parametrize("harness", ["redis"], indirect=True)
+def test_a_forked_child_holds_a_redis_connection_of_its_own_and_the_parent_keeps_its_own(
+    harness,
+):
+    """The forking thread held a connection of its own (``client.ThreadConnections``);
+    the child's calls go out on a new one, and the parent's stays open and in use."""
+    backend = harness.backend
+
+    def client_id() -> int:
+        return int(backend.clients.send(backend.client, "CLIENT", "ID"))
+
+    taken = backend.acquire("fork:held", 10_000)
+    assert taken.ok and backend.release(taken.lock_id).ok
+    parents = client_id()
+
+    def child() -> dict[str, Any]:
+        before = client_id()
+        for _ in range(CYCLES):
+            held = backend.acquire("fork:held:child", 10_000)
+            assert held.ok and backend.release(held.lock_id).ok
+        return {"before": before, "after": client_id()}
+
+    forked = Forked(child)
+    forked.go()
+    assert lock_cycles_plain(backend, "fork:held:parent", CYCLES) == CYCLES
+    childs = forked.result()
+    assert childs["before"] == childs["after"] != parents
+    assert client_id() == parents  # the child neither used nor closed it
+
+
+def lock_cycles_plain(backend: BaseLockBackend, key: str, cycles: int) -> int:
+    for _ in range(cycles):
+        held = backend.acquire(key, 10_000)
+        assert held.ok and backend.release(held.lock_id).ok
+    return cycles

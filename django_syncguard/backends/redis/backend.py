@@ -76,7 +76,6 @@ from .client import (
     CLIENT_OPTIONS,
     RedisClients,
     adirect_command,
-    direct_command,
     map_redis_error,
     no_script_error,
     redirect_errors,
@@ -307,15 +306,19 @@ class RedisBackend(BaseLockBackend):
         digest, loaded and sent again where the server lacks it (a first call, a
         restart, ``SCRIPT FLUSH``), as redis-py's ``Script.__call__`` does without its
         work per call (copying the arguments, an import, an isinstance check through
-        ``typing`` for pipelines); off a cluster, sent by :func:`~.client.direct_command`."""
+        ``typing`` for pipelines); off a cluster, sent by ``RedisClients.send`` (on the
+        thread's own connection, or :func:`~.client.direct_command`)."""
         script = self._sync_scripts.get(name) or self._scripts[name]
         client = script.registered_client
-        send = client.execute_command if self.cluster else partial(direct_command, client)
+        send = client.execute_command if self.cluster else partial(self.clients.send, client)
         try:
             try:
                 return send("EVALSHA", script.sha, len(keys), *keys, *args)
             except no_script_error():
-                client.script_load(script.script)
+                if self.cluster:
+                    client.script_load(script.script)  # on every primary
+                else:  # on the same connection: a thread holding one needs no second
+                    send("SCRIPT", "LOAD", script.script)
                 return send("EVALSHA", script.sha, len(keys), *keys, *args)
         except redis_error() as exc:
             raise map_redis_error(exc, self.alias) from exc

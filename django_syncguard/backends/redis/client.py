@@ -16,6 +16,7 @@ import asyncio
 import functools
 import inspect
 import os
+import select
 import socket
 import ssl
 import threading
@@ -33,6 +34,7 @@ from ...errors import (
     NetworkTimeout,
     ServiceUnavailable,
 )
+from ...lifecycle import abandon
 from ..base import mapping_option, positive_int_option
 from ..event_loops import close_on_loop
 
@@ -170,6 +172,101 @@ def direct_command(client: Any, *command: Any) -> Any:
         connection.send_command(*command)
         return connection.read_response()
     finally:
+        pool.release(connection)
+
+
+class ThreadConnections:
+    """Each thread's own connection of a plain server's synchronous pool, kept between
+    that thread's script calls (``specs/backends/redis.md``, Client path; decision 54).
+
+    :func:`direct_command` takes a connection from the pool and gives it back around
+    every call; with redis-py 8 that costs about as much as the script runs on the
+    server (its locks, a readiness poll of the socket, its metrics). A thread that
+    holds its connection skips both. At most half the pool's ``max_connections``
+    (rounded down) are held at once; a thread past that takes the pooled path, so
+    threads that are alive but idle never exhaust the pool for the others.
+
+    What the pool's hand-out would check is kept: a connection whose reply did not
+    come (a timeout, a drop, an interrupt) is closed by redis-py's connection itself,
+    and the next call through it connects again; one with something to read before
+    a call (the server closed it: a restart) or that the server asked to
+    re-establish (redis-py 8's maintenance notifications) is closed, and opened
+    again by that call. A thread that ends gives its connection back to the pool
+    (when the thread's local storage goes). In a forked child nothing inherited is
+    used or given back: the backend's fork reset replaces this object, and a holder
+    finalized in another process than the one that took it does nothing."""
+
+    def __init__(self, pool: Any, limit: int) -> None:
+        self._pool = pool
+        self._limit = limit
+        self._local = threading.local()
+        self._holders: weakref.WeakSet[_Held] = weakref.WeakSet()
+        self._lock = threading.Lock()
+
+    def command(self, client: Any, *command: Any) -> Any:
+        """``direct_command(client, *command)`` on the calling thread's connection."""
+        held: _Held | None = getattr(self._local, "held", None)
+        if held is None:
+            held = self._hold()
+            if held is None:
+                return direct_command(client, *command)
+        connection = held.connection
+        if _stale(connection) or (held.should_reconnect is not None and held.should_reconnect()):
+            connection.disconnect()  # the send below connects again
+        connection.send_command(*command)
+        return connection.read_response()
+
+    def _hold(self) -> _Held | None:
+        held = _Held()
+        with self._lock:  # a place first, the connection outside the lock
+            if len(self._holders) >= self._limit:
+                return None
+            self._holders.add(held)
+        try:
+            connection = pooled_connection(self._pool, "EVALSHA")
+        except BaseException:
+            self._holders.discard(held)
+            raise
+        held.connection = connection
+        held.should_reconnect = getattr(connection, "should_reconnect", None)
+        finalizer = weakref.finalize(held, _give_back, self._pool, connection, os.getpid())
+        finalizer.atexit = False  # type: ignore[misc]  # none at exit: the process ends
+        self._local.held = held
+        return held
+
+    @property
+    def held(self) -> int:
+        """How many threads hold a connection now."""
+        return len(self._holders)
+
+
+class _Held:
+    """A thread's held connection (what the thread's local storage keeps alive)."""
+
+    __slots__ = ("__weakref__", "connection", "should_reconnect")
+
+    def __init__(self) -> None:
+        self.connection: Any = None
+        self.should_reconnect: Any = None
+
+
+def _stale(connection: Any) -> bool:
+    """Whether ``connection`` has something to read between two calls: the server
+    closed it (a restart, ``CLIENT KILL``, an idle timeout) or sent what nobody asked
+    for. What the pool checks before handing a connection out (``can_read``), in one
+    ``poll`` of the socket."""
+    sock = getattr(connection, "_sock", None)
+    if sock is None:
+        return False
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    return bool(poller.poll(0))
+
+
+def _give_back(pool: Any, connection: Any, pid: int) -> None:
+    """A held connection's thread ended: the connection goes back to the pool, only in
+    the process that took it (a forked child forgets what it inherited)."""
+    if os.getpid() == pid:
         pool.release(connection)
 
 
@@ -347,11 +444,38 @@ class RedisClients:
         self._loops: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, Any]] = (
             weakref.WeakKeyDictionary()
         )
+        self._max_connections = max_connections
+        self.threads = self._thread_connections()
+
+    def _thread_connections(self) -> ThreadConnections | None:
+        """Per-thread connections, for a plain server's client with a pool of its own
+        (not Sentinel, whose pool follows failovers connection by connection; not a
+        cluster; not ``single_connection_client``; not redis-py's client-side cache)."""
+        client = self._sync
+        if self.topology != "server" or client is None or client.connection is not None:
+            return None
+        pool = client.connection_pool
+        if getattr(pool, "cache", None) is not None:
+            return None
+        limit = self._max_connections // 2  # (a pool of one: none held)
+        return ThreadConnections(pool, limit) if limit else None
+
+    def send(self, client: Any, *command: Any) -> Any:
+        """``client.execute_command(*command)`` for the synchronous plain client,
+        without redis-py's layers per command: on the thread's own connection where
+        there is one (:class:`ThreadConnections`), else :func:`direct_command`."""
+        if self.threads is not None and client is self._sync:
+            return self.threads.command(client, *command)
+        return direct_command(client, *command)
 
     def reset_after_fork(self) -> None:
         """In a forked child (the backend's reset calls it): a new build lock, since a
-        parent thread may have held this one at the fork."""
+        parent thread may have held this one at the fork, and new per-thread
+        connections (the forking thread's inherited one is forgotten, never used)."""
         self._building = threading.Lock()
+        if self.threads is not None:
+            abandon(self.threads)
+            self.threads = self._thread_connections()
 
     @property
     def topology(self) -> str:

@@ -1,0 +1,217 @@
+"""Each thread's own connection on a plain Redis server (``client.ThreadConnections``,
+decision 54): taken from the pool once, kept between the thread's script calls, given
+back when the thread ends, at most half the pool held, and never shared with a forked
+child (that test is in ``tests/test_fork.py``)."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+from django_syncguard.backends.redis import RedisBackend
+from django_syncguard.backends.redis.client import RedisClients
+from tests.support.servers import RedisServer
+
+
+@pytest.fixture
+def backend(redis_server: RedisServer) -> Iterator[RedisBackend]:
+    made = backend_on(redis_server)
+    yield made
+    made.close()
+
+
+def backend_on(server: RedisServer, **options: object) -> RedisBackend:
+    prefix = f"held{uuid.uuid4().hex[:6]}"
+    return RedisBackend("held", {"LOCATION": server.url, "KEY_PREFIX": prefix, "OPTIONS": options})
+
+
+def client_id(backend: RedisBackend) -> int:
+    """The server's id of the connection this thread's script calls go out on."""
+    return int(backend.clients.send(backend.client, "CLIENT", "ID"))
+
+
+def cycle(backend: RedisBackend, key: str | None = None) -> None:
+    held = backend.acquire(key or uuid.uuid4().hex, 60_000)
+    assert held.ok and backend.release(held.lock_id).ok
+
+
+def count_hand_outs(backend: RedisBackend, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Each ``get_connection`` of the backend's pool appends to the list returned."""
+    pool, calls = backend.client.connection_pool, []
+    get_connection = pool.get_connection
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return get_connection(*args, **kwargs)
+
+    monkeypatch.setattr(pool, "get_connection", counted)
+    return calls
+
+
+def in_threads(count: int, work, *, keep_alive: threading.Event | None = None) -> None:
+    """``work()`` in ``count`` threads at once; with ``keep_alive``, each thread stays
+    alive after its work until the event is set (this returns once all worked)."""
+    done = threading.Barrier(count + 1)
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            work()
+        except BaseException as exc:
+            errors.append(exc)
+        done.wait()
+        if keep_alive is not None:
+            keep_alive.wait()
+
+    threads = [threading.Thread(target=run) for _ in range(count)]
+    for thread in threads:
+        thread.start()
+    done.wait()
+    if keep_alive is None:
+        for thread in threads:
+            thread.join()
+    assert errors == []
+
+
+def test_a_thread_takes_one_connection_from_the_pool_for_all_its_calls(backend, monkeypatch):
+    cycle(backend)  # the scripts are loaded
+    hand_outs = count_hand_outs(backend, monkeypatch)
+    first = client_id(backend)
+    for _ in range(20):
+        cycle(backend)
+    assert client_id(backend) == first
+    assert hand_outs == []  # 40 scripts and 2 CLIENT IDs, no call on the pool
+    assert backend.clients.threads is not None and backend.clients.threads.held == 1
+
+
+def test_a_thread_that_ends_gives_its_connection_back(backend, redis_server):
+    server = redis.Redis.from_url(redis_server.url)
+    ids: list[int] = []
+
+    def work() -> None:
+        cycle(backend)
+        ids.append(client_id(backend))
+
+    in_threads(1, work)  # loads the scripts, perhaps on a second pooled connection
+    opened = server.info("stats")["total_connections_received"]
+    for _ in range(10):  # one after the other: each takes the one the last gave back
+        in_threads(1, work)
+        assert backend.clients.threads is not None and backend.clients.threads.held == 0
+    assert server.info("stats")["total_connections_received"] == opened  # none opened
+    assert set(ids) == {ids[0]}
+    assert len(backend.client.connection_pool._in_use_connections) == 0
+    server.close()
+
+
+def test_at_most_half_the_pool_is_held_and_the_others_take_the_pooled_path(
+    redis_server, monkeypatch
+):
+    backend = backend_on(redis_server, MAX_CONNECTIONS=4)
+    try:
+        cycle(backend)  # this thread holds 1 of the 2
+        hand_outs = count_hand_outs(backend, monkeypatch)
+        release = threading.Event()
+        try:
+            in_threads(2, lambda: cycle(backend), keep_alive=release)
+            threads = backend.clients.threads
+            assert threads is not None and threads.held == 2
+            # One thread held the second place (one hand-out); the other sent its
+            # acquire and its release through the pool (two more).
+            assert len(hand_outs) == 3
+        finally:
+            release.set()
+        cycle(backend)  # this thread still holds its own: no hand-out
+        assert len(hand_outs) == 3
+    finally:
+        backend.close()
+
+
+def test_a_script_the_server_lost_is_loaded_again_on_the_thread_s_connection(backend, monkeypatch):
+    cycle(backend)
+    first = client_id(backend)
+    backend.client.script_flush()  # as a restart does
+    hand_outs = count_hand_outs(backend, monkeypatch)
+    cycle(backend)  # NOSCRIPT, SCRIPT LOAD, EVALSHA: all on its own connection
+    assert hand_outs == [] and client_id(backend) == first
+
+
+def test_a_pool_of_one_connection_is_not_held(redis_server):
+    backend = backend_on(redis_server, MAX_CONNECTIONS=1)
+    try:
+        assert backend.clients.threads is None
+        backend.client.script_flush()
+        cycle(backend)  # the EVALSHA's connection is back in the pool for SCRIPT LOAD
+        cycle(backend)
+    finally:
+        backend.close()
+
+
+def test_after_a_timeout_the_thread_s_next_call_connects_again(backend):
+    # What the pool checked at each hand-out, done by the connection itself: a reply
+    # that did not come closes it (tests/test_redis_backend.py shows no late reply is
+    # read), and the next call through it opens a new one.
+    first = client_id(backend)
+    threads = backend.clients.threads
+    assert threads is not None
+    threads._local.held.connection.disconnect()  # as a timeout or a drop leaves it
+    assert client_id(backend) != first
+    cycle(backend)
+    assert threads.held == 1
+
+
+def test_a_connection_the_server_closed_between_calls_is_opened_again(backend, redis_server):
+    # A restart, CLIENT KILL, an idle timeout: the pool found such a connection
+    # readable (end of stream) before handing it out; the thread checks the same.
+    first = client_id(backend)
+    cycle(backend)
+    server = redis.Redis.from_url(redis_server.url)
+    assert server.client_kill_filter(_id=first) == 1
+    server.close()
+    cycle(backend)  # no ServiceUnavailable for the dead connection
+    assert client_id(backend) != first
+
+
+def test_a_connection_marked_for_reconnection_is_closed_before_its_next_call(backend):
+    # redis-py 8 marks a connection when the server announces maintenance; its pool
+    # closes it when it comes back. A held connection is closed before its next call.
+    first = client_id(backend)
+    threads = backend.clients.threads
+    assert threads is not None
+    held = threads._local.held
+    mark = getattr(held.connection, "mark_for_reconnect", None)
+    if mark is None:  # redis-py before 6 (the floor cell): no such notifications
+        assert held.should_reconnect is None
+        return
+    mark()
+    assert client_id(backend) != first
+
+
+@pytest.mark.parametrize(
+    ("location", "options"),
+    [
+        ("redis://service/0", {"SENTINELS": [("127.0.0.1", 1)]}),
+        ("redis://127.0.0.1:1/0", {"CLUSTER": True}),
+    ],
+    ids=["sentinel", "cluster"],
+)
+def test_sentinel_and_cluster_clients_hold_no_connection_per_thread(location, options):
+    # Sentinel's pool follows a failover connection by connection; a cluster client
+    # has a pool per node. Both keep redis-py's own paths (nothing connects here).
+    clients = RedisClients(
+        "x", location, options, connect_timeout_ms=100, operation_timeout_ms=100, scripts={}
+    )
+    assert clients.threads is None
+
+
+def test_a_single_connection_client_holds_no_connection_per_thread(redis_server):
+    options = {"CLIENT_KWARGS": {"single_connection_client": True}}
+    single = backend_on(redis_server, **options)
+    try:
+        assert single.clients.threads is None
+        cycle(single)  # on the client's one connection (tests/test_redis_backend.py)
+    finally:
+        single.close()
