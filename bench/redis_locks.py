@@ -8,6 +8,8 @@ measures, side by side against it:
 
 - ``syncguard``: ``RedisBackend.acquire`` + ``release`` (one EVALSHA each, with fence,
   lock-id index and server-time expiry);
+- ``syncguard pooled``: the same with a connection taken from the pool and given back
+  around every call, as before each thread kept its own (decision 54);
 - ``raw``: ``SET key token NX PX 30000`` + ``DEL key``: the two-round-trip floor (no
   ownership check on release, no fence);
 - ``redis-py Lock``: ``redis.lock.Lock`` (SET NX PX, Lua release), no fence;
@@ -37,10 +39,12 @@ from tests.support.servers import RedisServer  # noqa: E402
 TTL_MS = 30_000
 
 
-def syncguard(url: str) -> MethodFactory:
+def syncguard(url: str, *, pooled: bool = False) -> MethodFactory:
     from django_syncguard.backends.redis import RedisBackend
 
     backend = RedisBackend("bench", {"LOCATION": url})
+    if pooled:  # the path before decision 54: a connection from the pool per call
+        backend.clients.threads = None
 
     def factory(client: int):
         def acquire(key: str):
@@ -104,8 +108,13 @@ def python_redis_lock(url: str) -> MethodFactory:
     return factory
 
 
+def syncguard_pooled(url: str) -> MethodFactory:
+    return syncguard(url, pooled=True)
+
+
 METHODS = {
     "syncguard": syncguard,
+    "syncguard pooled": syncguard_pooled,
     "raw": raw,
     "redis-py Lock": redis_py_lock,
     "python-redis-lock": python_redis_lock,
