@@ -243,6 +243,28 @@ def test_an_acquire_applied_but_answered_cancelled_is_ours(fh, monkeypatch):
     assert backend.acquire("lost-answer", 60_000).fence == "000000000000002"
 
 
+def test_a_counter_created_by_a_commit_of_unknown_outcome_is_checked_too(fh, monkeypatch):
+    # The commit that created the counter is answered "cancelled" (it applied); the
+    # next read finds the lock ours, and the floor is read before it is answered.
+    backend = fh.firestore
+    answers = CancelledAnswers(monkeypatch)
+    client, reads = backend.client, []
+    get_all = client.get_all
+
+    def counted(refs, *args, **kwargs):
+        refs = list(refs)
+        reads.append([ref.id for ref in refs])
+        return get_all(refs, *args, **kwargs)
+
+    monkeypatch.setattr(client, "get_all", counted)
+    result = backend.acquire("lost-new", 60_000)
+
+    assert answers.left == 0
+    everything = ["lost-new", "fence:lost-new", "syncguard:floor"]
+    assert reads == [everything, everything, ["syncguard:floor"]]
+    assert (result.ok, result.fence) == (True, "000000000000001")
+
+
 def test_an_acquire_answered_cancelled_but_not_applied_is_sent_again(fh, monkeypatch):
     backend = fh.firestore
     answers = CancelledAnswers(monkeypatch, applied=False)

@@ -5,6 +5,7 @@ child (that test is in ``tests/test_fork.py``)."""
 
 from __future__ import annotations
 
+import os
 import threading
 import uuid
 from collections.abc import Iterator
@@ -13,7 +14,8 @@ import pytest
 import redis
 
 from django_syncguard.backends.redis import RedisBackend
-from django_syncguard.backends.redis.client import RedisClients
+from django_syncguard.backends.redis import client as client_module
+from django_syncguard.backends.redis.client import RedisClients, _streaming
 from tests.support.servers import RedisServer
 
 
@@ -130,6 +132,50 @@ def test_at_most_half_the_pool_is_held_and_the_others_take_the_pooled_path(
         backend.close()
 
 
+def test_the_limit_is_half_of_what_the_pool_allows_however_it_was_set(redis_server):
+    # MAX_CONNECTIONS, CLIENT_KWARGS and the URL's query can all size the pool.
+    for options, url, limit in [
+        ({"MAX_CONNECTIONS": 6}, redis_server.url, 3),
+        ({"CLIENT_KWARGS": {"max_connections": 2}}, redis_server.url, 1),
+        ({}, redis_server.url + "?max_connections=4", 2),
+    ]:
+        made = RedisBackend("sized", {"LOCATION": url, "OPTIONS": options})
+        try:
+            threads = made.clients.threads
+            assert threads is not None and threads.limit == limit
+            assert made.client.connection_pool.max_connections == 2 * limit
+        finally:
+            made.close()
+
+
+def test_a_process_the_object_was_not_built_in_takes_the_pooled_path(backend, monkeypatch):
+    # A fork that ran no hooks (uWSGI without its fork hooks): the object is the
+    # parent's, and its held connections are too.
+    cycle(backend)
+    hand_outs = count_hand_outs(backend, monkeypatch)
+    monkeypatch.setattr(os, "getpid", lambda: 1)  # what this process now looks like
+    in_threads(1, lambda: cycle(backend))
+    assert len(hand_outs) == 2  # the acquire's and the release's, from the pool
+    monkeypatch.undo()
+    assert backend.clients.threads is not None and backend.clients.threads.held == 1
+
+
+def test_an_interrupt_between_request_and_reply_closes_the_connection(backend):
+    # redis-py closes a connection interrupted inside its read; an interrupt between
+    # the send and the read leaves the reply on its way, and the next call must not
+    # read it as its own. BLPOP answers (nil) only after 200 ms.
+    first = client_id(backend)
+    threads = backend.clients.threads
+    assert threads is not None
+    connection = threads._local.held.connection
+    read = connection.read_response
+    connection.read_response = lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt())
+    with pytest.raises(KeyboardInterrupt):
+        backend.clients.send(backend.client, "BLPOP", f"nothing:{uuid.uuid4().hex}", "0.2")
+    connection.read_response = read
+    assert client_id(backend) != first  # its own reply, on a new connection
+
+
 def test_a_script_the_server_lost_is_loaded_again_on_the_thread_s_connection(backend, monkeypatch):
     cycle(backend)
     first = client_id(backend)
@@ -175,6 +221,11 @@ def test_a_connection_the_server_closed_between_calls_is_opened_again(backend, r
     assert client_id(backend) != first
 
 
+def test_without_poll_a_closed_connection_is_found_by_select(backend, redis_server, monkeypatch):
+    monkeypatch.setattr(client_module, "_HAS_POLL", False)  # as on Windows
+    test_a_connection_the_server_closed_between_calls_is_opened_again(backend, redis_server)
+
+
 def test_a_connection_marked_for_reconnection_is_closed_before_its_next_call(backend):
     # redis-py 8 marks a connection when the server announces maintenance; its pool
     # closes it when it comes back. A held connection is closed before its next call.
@@ -205,6 +256,42 @@ def test_sentinel_and_cluster_clients_hold_no_connection_per_thread(location, op
         "x", location, options, connect_timeout_ms=100, operation_timeout_ms=100, scripts={}
     )
     assert clients.threads is None
+
+
+def test_resp3_clients_hold_no_connection_per_thread(redis_server):
+    # Pushes (redis-py 8's maintenance notifications) may arrive between calls; the
+    # pool's hand-out leaves them to the next read, which the held path does not.
+    resp3 = backend_on(redis_server, CLIENT_KWARGS={"protocol": 3})
+    try:
+        assert resp3.clients.threads is None
+        cycle(resp3)
+    finally:
+        resp3.close()
+
+
+def test_a_streaming_credential_provider_is_recognised():
+    # redis-py re-authenticates such a client's connections when they go back to the
+    # pool, which a held connection never does: those clients keep the pooled path.
+    streaming = getattr(redis.credentials, "StreamingCredentialProvider", None)
+    if streaming is None:  # redis-py before 5.3 (the floor cell): no such providers
+        assert _streaming(object()) is False
+        return
+
+    class Renewing(streaming):
+        def get_credentials(self):
+            return ("user", "secret")
+
+        def on_next(self, callback):
+            pass
+
+        def on_error(self, callback):
+            pass
+
+        def is_streaming(self):
+            return True
+
+    assert _streaming(Renewing()) is True
+    assert _streaming(redis.credentials.UsernamePasswordCredentialProvider("u", "p")) is False
 
 
 def test_a_single_connection_client_holds_no_connection_per_thread(redis_server):

@@ -524,17 +524,19 @@ class FirestoreBackend(BatchedCleanup, BaseLockBackend):
             snaps = self._call(lambda: list(self.client.get_all(list(refs))))
             batch = self.client.batch()
             plan = self._plan_acquire(batch, key, ttl_ms, snaps, refs, cancel, ticket, lock_id)
-            created |= plan.new_counter  # kept while an unknown commit may have applied
             if not plan.write:
                 result = self._decided(plan, refs)
             else:
                 if not plan.crossed:
                     note_sent(lock_id)  # only a commit can take the lock, not the reads before
-                if not self._commit(batch):
+                committed = self._commit(batch)
+                created = _created(created, plan, committed)
+                if not committed:
                     continue
                 result = self._committed(plan, refs, batch)
             if not (created and _ours(result, lock_id)):
                 return result
+            note_maybe_written()  # should the check fail, the lock is released for us
             floor = self._call(lambda: list(self.client.get_all([refs[2]])))
             if _fence_of(result) > _floor_of(floor[0]):
                 return result
@@ -551,17 +553,19 @@ class FirestoreBackend(BatchedCleanup, BaseLockBackend):
             snaps = await self._acall(_collect(client.get_all(list(refs))))
             batch = client.batch()
             plan = self._plan_acquire(batch, key, ttl_ms, snaps, refs, cancel, ticket, lock_id)
-            created |= plan.new_counter
             if not plan.write:
                 result = self._decided(plan, refs)
             else:
                 if not plan.crossed:
                     note_sent(lock_id)
-                if not await self._acommit(batch):
+                committed = await self._acommit(batch)
+                created = _created(created, plan, committed)
+                if not committed:
                     continue
                 result = self._committed(plan, refs, batch)
             if not (created and _ours(result, lock_id)):
                 return result
+            note_maybe_written()
             floor = await self._acall(_collect(client.get_all([refs[2]])))
             if _fence_of(result) > _floor_of(floor[0]):
                 return result
@@ -1355,6 +1359,13 @@ def _stamp(batch: Any, snap: Any, now: int) -> None:
 def _delete_since(batch: Any, ref: Any, update_time: Any) -> None:
     """Delete ``ref`` only if it was last written at ``update_time``."""
     batch.delete(ref, **_unchanged_since(update_time))
+
+
+def _created(before: bool, plan: _Plan, committed: bool | None) -> bool:
+    """Whether this acquire's lock id may have created the key's counter, after a
+    commit of ``plan``: it did when the commit applied (True) or may have (None);
+    a failed guard (False) wrote nothing, and an earlier unknown commit still counts."""
+    return before if committed is False else before or plan.new_counter
 
 
 def _ours(result: AcquireResult, lock_id: str) -> bool:

@@ -188,17 +188,19 @@ class ThreadConnections:
 
     What the pool's hand-out would check is kept: a connection whose reply did not
     come (a timeout, a drop, an interrupt) is closed by redis-py's connection itself,
-    and the next call through it connects again; one with something to read before
-    a call (the server closed it: a restart) or that the server asked to
-    re-establish (redis-py 8's maintenance notifications) is closed, and opened
-    again by that call. A thread that ends gives its connection back to the pool
-    (when the thread's local storage goes). In a forked child nothing inherited is
-    used or given back: the backend's fork reset replaces this object, and a holder
-    finalized in another process than the one that took it does nothing."""
+    or, interrupted between its request and its reply, before its next call; one with
+    something to read before a call (the server closed it: a restart) or that redis-py
+    marked for reconnection is closed, and opened again by that call. A thread that
+    ends gives its connection back to the pool (when the thread's local storage
+    goes). In a forked child nothing inherited is used or given back: the backend's
+    fork reset replaces this object, a process other than the one that built it (a
+    fork that ran no hooks) takes the pooled path, and a holder finalized in another
+    process than the one that took its connection does nothing."""
 
     def __init__(self, pool: Any, limit: int) -> None:
         self._pool = pool
-        self._limit = limit
+        self.limit = limit
+        self._pid = os.getpid()
         self._local = threading.local()
         self._holders: weakref.WeakSet[_Held] = weakref.WeakSet()
         self._lock = threading.Lock()
@@ -211,26 +213,41 @@ class ThreadConnections:
             if held is None:
                 return direct_command(client, *command)
         connection = held.connection
-        if _stale(connection) or (held.should_reconnect is not None and held.should_reconnect()):
+        if (
+            held.busy
+            or _stale(connection)
+            or (held.should_reconnect is not None and held.should_reconnect())
+        ):
             connection.disconnect()  # the send below connects again
+        held.busy = True  # until the reply is read: an interrupt between leaves it set
         connection.send_command(*command)
-        return connection.read_response()
+        try:
+            reply = connection.read_response()
+        except Exception:
+            held.busy = False  # an error reply, read whole; or the connection closed itself
+            raise
+        held.busy = False
+        return reply
 
     def _hold(self) -> _Held | None:
+        """The calling thread's new held connection; None (the pooled path) past the
+        limit, or in a process this object was not built in."""
+        if len(self._holders) >= self.limit or os.getpid() != self._pid:
+            return None
         held = _Held()
         with self._lock:  # a place first, the connection outside the lock
-            if len(self._holders) >= self._limit:
+            if len(self._holders) >= self.limit:
                 return None
             self._holders.add(held)
+        connection = pooled_connection(self._pool, "EVALSHA")
         try:
-            connection = pooled_connection(self._pool, "EVALSHA")
+            held.connection = connection
+            held.should_reconnect = getattr(connection, "should_reconnect", None)
+            finalizer = weakref.finalize(held, _give_back, self._pool, connection, self._pid)
+            finalizer.atexit = False  # type: ignore[misc]  # none at exit: the process ends
         except BaseException:
-            self._holders.discard(held)
+            self._pool.release(connection)  # an interrupt here: the pool keeps it
             raise
-        held.connection = connection
-        held.should_reconnect = getattr(connection, "should_reconnect", None)
-        finalizer = weakref.finalize(held, _give_back, self._pool, connection, os.getpid())
-        finalizer.atexit = False  # type: ignore[misc]  # none at exit: the process ends
         self._local.held = held
         return held
 
@@ -243,24 +260,39 @@ class ThreadConnections:
 class _Held:
     """A thread's held connection (what the thread's local storage keeps alive)."""
 
-    __slots__ = ("__weakref__", "connection", "should_reconnect")
+    __slots__ = ("__weakref__", "busy", "connection", "should_reconnect")
 
     def __init__(self) -> None:
         self.connection: Any = None
         self.should_reconnect: Any = None
+        self.busy = False
+
+
+#: Whether this platform has ``select.poll`` (Windows has not: ``select`` then).
+_HAS_POLL = hasattr(select, "poll")
 
 
 def _stale(connection: Any) -> bool:
     """Whether ``connection`` has something to read between two calls: the server
     closed it (a restart, ``CLIENT KILL``, an idle timeout) or sent what nobody asked
-    for. What the pool checks before handing a connection out (``can_read``), in one
-    ``poll`` of the socket."""
+    for (held connections speak RESP2: no pushes). What the pool checks before handing
+    a connection out (``can_read``), in one ``poll`` of the socket."""
     sock = getattr(connection, "_sock", None)
     if sock is None:
         return False
-    poller = select.poll()
-    poller.register(sock, select.POLLIN)
-    return bool(poller.poll(0))
+    if _HAS_POLL:
+        poller = select.poll()
+        poller.register(sock, select.POLLIN)
+        return bool(poller.poll(0))
+    return bool(select.select([sock], [], [], 0)[0])  # Windows: no poll()
+
+
+def _streaming(provider: Any) -> bool:
+    """Whether ``provider`` renews credentials while connections stay open (redis-py
+    5.3+: Entra ID and the like): redis-py re-authenticates a connection when it goes
+    back to the pool, which a held connection never does."""
+    streaming = getattr(_redis().credentials, "StreamingCredentialProvider", None)
+    return streaming is not None and isinstance(provider, streaming)
 
 
 def _give_back(pool: Any, connection: Any, pid: int) -> None:
@@ -444,20 +476,25 @@ class RedisClients:
         self._loops: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, Any]] = (
             weakref.WeakKeyDictionary()
         )
-        self._max_connections = max_connections
         self.threads = self._thread_connections()
 
     def _thread_connections(self) -> ThreadConnections | None:
         """Per-thread connections, for a plain server's client with a pool of its own
         (not Sentinel, whose pool follows failovers connection by connection; not a
-        cluster; not ``single_connection_client``; not redis-py's client-side cache)."""
+        cluster; not ``single_connection_client``; not redis-py's client-side cache,
+        RESP3 or a streaming credential provider, which need the pool's hand-outs)."""
         client = self._sync
         if self.topology != "server" or client is None or client.connection is not None:
             return None
         pool = client.connection_pool
-        if getattr(pool, "cache", None) is not None:
+        kwargs = getattr(pool, "connection_kwargs", {})
+        if (
+            getattr(pool, "cache", None) is not None
+            or str(kwargs.get("protocol", 2)) == "3"  # pushes may arrive between calls
+            or _streaming(kwargs.get("credential_provider"))
+        ):
             return None
-        limit = self._max_connections // 2  # (a pool of one: none held)
+        limit = int(pool.max_connections) // 2  # what the pool allows (a URL may say)
         return ThreadConnections(pool, limit) if limit else None
 
     def send(self, client: Any, *command: Any) -> Any:
