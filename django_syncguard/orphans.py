@@ -109,6 +109,14 @@ def note_maybe_written() -> None:
         sent.maybe_written = True
 
 
+def note_settled() -> None:
+    """Record that the running acquire released the lock id it may have written, and
+    goes on under a new one: nothing of the old id is left to release."""
+    sent = _SENT.get()
+    if sent is not None:
+        sent.maybe_written = False
+
+
 @dataclass(slots=True)
 class _Orphan:
     lock_id: str

@@ -229,6 +229,20 @@ class CancelledAnswers:
         monkeypatch.setattr(AsyncWriteBatch, "commit", acancelled)
 
 
+def recorded_reads(backend: FirestoreBackend, monkeypatch) -> list[list[str]]:
+    """The ids each ``get_all`` of ``backend``'s client reads, in order, from now on."""
+    client, reads = backend.client, []
+    get_all = client.get_all
+
+    def recorded(refs, *args, **kwargs):
+        refs = list(refs)
+        reads.append([ref.id for ref in refs])
+        return get_all(refs, *args, **kwargs)
+
+    monkeypatch.setattr(client, "get_all", recorded)
+    return reads
+
+
 def test_an_acquire_applied_but_answered_cancelled_is_ours(fh, monkeypatch):
     backend = fh.firestore
     answers = CancelledAnswers(monkeypatch)
@@ -248,15 +262,7 @@ def test_a_counter_created_by_a_commit_of_unknown_outcome_is_checked_too(fh, mon
     # next read finds the lock ours, and the floor is read before it is answered.
     backend = fh.firestore
     answers = CancelledAnswers(monkeypatch)
-    client, reads = backend.client, []
-    get_all = client.get_all
-
-    def counted(refs, *args, **kwargs):
-        refs = list(refs)
-        reads.append([ref.id for ref in refs])
-        return get_all(refs, *args, **kwargs)
-
-    monkeypatch.setattr(client, "get_all", counted)
+    reads = recorded_reads(backend, monkeypatch)
     result = backend.acquire("lost-new", 60_000)
 
     assert answers.left == 0
@@ -463,6 +469,40 @@ def test_a_counter_created_and_compacted_between_an_acquires_read_and_write(fh, 
     assert take(backend, "aba") == "000000000000003"
 
 
+def test_a_retry_after_the_check_that_meets_the_key_held_leaves_nothing_to_orphans(fh, monkeypatch):
+    # As above; then, between the release of the first lock and the retry's read,
+    # another process takes the key: the retry answers "locked". The first lock was
+    # released, and the second lock id was never written: nothing to release later.
+    backend = fh.firestore
+    client = backend.client
+    get_all = client.get_all
+    reads: list[int] = []
+    rival: list[str] = []
+
+    def read_then_interleave(refs, *args, **kwargs):
+        refs = list(refs)
+        if len(refs) == 3 and reads:  # the retry's read: someone takes the key first
+            other = elsewhere(fh)
+            try:
+                rival.append(other.acquire("aba-held", 60_000).fence)
+            finally:
+                other.close()
+        snaps = list(get_all(refs, *args, **kwargs))
+        reads.append(len(refs))
+        if len(reads) == 1:
+            _take_and_compact(fh, "aba-held")
+        return snaps
+
+    monkeypatch.setattr(client, "get_all", read_then_interleave)
+    result = backend.acquire("aba-held", 60_000)
+    monkeypatch.undo()
+
+    assert reads == [3, 1, 3]  # the acquire, the floor check, the retry
+    assert (result.ok, result.reason) == (False, "locked")
+    assert rival == ["000000000000002"]  # above the first lock's 1, never handed out
+    assert backend.orphans.pending == 0
+
+
 async def test_the_async_acquire_checks_the_floor_after_creating_a_counter(fh, monkeypatch):
     backend = fh.firestore
     client = backend.aclient()
@@ -490,16 +530,7 @@ async def test_the_async_acquire_checks_the_floor_after_creating_a_counter(fh, m
 def test_an_acquire_that_creates_a_counter_reads_the_floor_once_more(fh, monkeypatch):
     # The price of that check: one read of the floor, only when the counter is new.
     backend = fh.firestore
-    client = backend.client
-    get_all = client.get_all
-    reads: list[list[str]] = []
-
-    def counted(refs, *args, **kwargs):
-        refs = list(refs)
-        reads.append([ref.id for ref in refs])
-        return get_all(refs, *args, **kwargs)
-
-    monkeypatch.setattr(client, "get_all", counted)
+    reads = recorded_reads(backend, monkeypatch)
     first = backend.acquire("new-key", 60_000)
     assert reads == [["new-key", "fence:new-key", "syncguard:floor"], ["syncguard:floor"]]
     assert backend.release(first.lock_id).ok

@@ -17,8 +17,6 @@ from __future__ import annotations
 import copy
 import logging
 import os
-import select
-import socket
 import threading
 import weakref
 from collections.abc import Callable, Mapping
@@ -33,6 +31,7 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 
 from ...errors import Internal, NetworkTimeout, ServiceUnavailable
 from ...lifecycle import abandon
+from ..sockets import peer_ended
 from .errors import map_database_error
 from .operations import DatabaseOperations
 
@@ -284,32 +283,10 @@ _GONE_MARKS = (b"", b"E", b"\x15")
 
 
 def idle_connection_is_gone(raw: Any) -> bool:
-    """True when the server or a proxy has ended the idle driver connection ``raw``.
-
-    Every call reads its reply to the end, so an idle connection has nothing to read
-    unless the other side spoke since: a poll without waiting (about a microsecond)
-    decides the common case, and only then is the first byte peeked at, on a copy of
-    the file descriptor (the driver keeps its own).
-    """
-    try:
-        fd = raw.fileno()
-    except Exception:  # closed, or broken beyond telling
-        return True
-    if hasattr(select, "poll"):
-        poller = select.poll()
-        poller.register(fd, select.POLLIN)
-        if not poller.poll(0):
-            return False
-    elif not select.select([fd], [], [], 0)[0]:  # Windows: no poll()
-        return False
-    try:
-        with socket.socket(fileno=os.dup(fd)) as sock:
-            head = sock.recv(1, socket.MSG_PEEK | getattr(socket, "MSG_DONTWAIT", 0))
-    except BlockingIOError:
-        return False
-    except OSError:  # reset by the peer
-        return True
-    return head in _GONE_MARKS
+    """True when the server or a proxy has ended the idle driver connection ``raw``
+    (:func:`~django_syncguard.backends.sockets.peer_ended`, with PostgreSQL's last
+    words)."""
+    return peer_ended(raw, _GONE_MARKS)
 
 
 def server_binding_cursor(raw: Any) -> Any:

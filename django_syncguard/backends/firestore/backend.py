@@ -39,7 +39,7 @@ from ...fence_floors import IdleCounter, next_fence
 from ...fencing import FENCE_MAX, fence_overflow_error, format_fence
 from ...keys import generate_lock_id
 from ...liveness import is_live
-from ...orphans import note_maybe_written, note_sent
+from ...orphans import note_maybe_written, note_sent, note_settled
 from ...owners import QueueStats
 from ...results import AcquireResult, ExtendResult, LockPage, LockRecord, ReleaseResult
 from ...waiting import CHECK_IN_MS, Grant, Queue, WaitTicket, WakeUps, queue_admits, queue_head
@@ -541,6 +541,7 @@ class FirestoreBackend(BatchedCleanup, BaseLockBackend):
             if _fence_of(result) > _floor_of(floor[0]):
                 return result
             self._release(lock_id, None)
+            note_settled()  # a later "locked" must not send the next lock id to orphans
             lock_id, created = generate_lock_id(), False
         return AcquireResult.locked()  # the lock kept changing under us: contention
 
@@ -570,6 +571,7 @@ class FirestoreBackend(BatchedCleanup, BaseLockBackend):
             if _fence_of(result) > _floor_of(floor[0]):
                 return result
             await self._arelease(lock_id, None)
+            note_settled()
             lock_id, created = generate_lock_id(), False
         return AcquireResult.locked()
 

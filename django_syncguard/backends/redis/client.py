@@ -16,7 +16,6 @@ import asyncio
 import functools
 import inspect
 import os
-import select
 import socket
 import ssl
 import threading
@@ -37,6 +36,7 @@ from ...errors import (
 from ...lifecycle import abandon
 from ..base import mapping_option, positive_int_option
 from ..event_loops import close_on_loop
+from ..sockets import peer_ended
 
 if TYPE_CHECKING:
     import redis
@@ -188,9 +188,10 @@ class ThreadConnections:
 
     What the pool's hand-out would check is kept: a connection whose reply did not
     come (a timeout, a drop, an interrupt) is closed by redis-py's connection itself,
-    or, interrupted between its request and its reply, before its next call; one with
-    something to read before a call (the server closed it: a restart) or that redis-py
-    marked for reconnection is closed, and opened again by that call. A thread that
+    or, interrupted between its request and its reply, before its next call; one the
+    server ended before a call (a restart) or that redis-py marked for reconnection is
+    closed, and opened again by that call (a RESP3 push waiting on it is left to the
+    call's read, as the pool leaves it). A thread that
     ends gives its connection back to the pool (when the thread's local storage
     goes). In a forked child nothing inherited is used or given back: the backend's
     fork reset replaces this object, a process other than the one that built it (a
@@ -208,7 +209,7 @@ class ThreadConnections:
     def command(self, client: Any, *command: Any) -> Any:
         """``direct_command(client, *command)`` on the calling thread's connection."""
         held: _Held | None = getattr(self._local, "held", None)
-        if held is None:
+        if held is None or os.getpid() != self._pid:  # (a fork that ran no hooks)
             held = self._hold()
             if held is None:
                 return direct_command(client, *command)
@@ -239,16 +240,24 @@ class ThreadConnections:
             if len(self._holders) >= self.limit:
                 return None
             self._holders.add(held)
-        connection = pooled_connection(self._pool, "EVALSHA")
+        try:
+            connection = pooled_connection(self._pool, "EVALSHA")
+        except BaseException:
+            self._holders.discard(held)  # its place, at once (a traceback may keep it)
+            raise
+        finalizer = None
         try:
             held.connection = connection
             held.should_reconnect = getattr(connection, "should_reconnect", None)
             finalizer = weakref.finalize(held, _give_back, self._pool, connection, self._pid)
             finalizer.atexit = False  # type: ignore[misc]  # none at exit: the process ends
-        except BaseException:
-            self._pool.release(connection)  # an interrupt here: the pool keeps it
+            self._local.held = held
+        except BaseException:  # an interrupt here: the connection goes back, once
+            if finalizer is None:
+                self._pool.release(connection)
+            else:
+                finalizer()
             raise
-        self._local.held = held
         return held
 
     @property
@@ -268,23 +277,19 @@ class _Held:
         self.busy = False
 
 
-#: Whether this platform has ``select.poll`` (Windows has not: ``select`` then).
-_HAS_POLL = hasattr(select, "poll")
+#: What a Redis server's socket shows when the server ended the connection: the end
+#: of the stream, or a TLS alert record (0x15: close_notify). Anything else (a RESP3
+#: push, such as redis-py 8's maintenance notifications) is left to the next read,
+#: as redis-py's pool leaves it.
+_GONE_MARKS = (b"", b"\x15")
 
 
 def _stale(connection: Any) -> bool:
-    """Whether ``connection`` has something to read between two calls: the server
-    closed it (a restart, ``CLIENT KILL``, an idle timeout) or sent what nobody asked
-    for (held connections speak RESP2: no pushes). What the pool checks before handing
-    a connection out (``can_read``), in one ``poll`` of the socket."""
+    """Whether the server ended ``connection`` between two calls (a restart, ``CLIENT
+    KILL``, an idle timeout): what the pool's ``can_read`` finds before it hands a
+    connection out."""
     sock = getattr(connection, "_sock", None)
-    if sock is None:
-        return False
-    if _HAS_POLL:
-        poller = select.poll()
-        poller.register(sock, select.POLLIN)
-        return bool(poller.poll(0))
-    return bool(select.select([sock], [], [], 0)[0])  # Windows: no poll()
+    return sock is not None and peer_ended(sock, _GONE_MARKS)
 
 
 def _streaming(provider: Any) -> bool:
@@ -481,17 +486,15 @@ class RedisClients:
     def _thread_connections(self) -> ThreadConnections | None:
         """Per-thread connections, for a plain server's client with a pool of its own
         (not Sentinel, whose pool follows failovers connection by connection; not a
-        cluster; not ``single_connection_client``; not redis-py's client-side cache,
-        RESP3 or a streaming credential provider, which need the pool's hand-outs)."""
+        cluster; not ``single_connection_client``; not redis-py's client-side cache
+        or a streaming credential provider, which need the pool's hand-outs)."""
         client = self._sync
         if self.topology != "server" or client is None or client.connection is not None:
             return None
         pool = client.connection_pool
         kwargs = getattr(pool, "connection_kwargs", {})
-        if (
-            getattr(pool, "cache", None) is not None
-            or str(kwargs.get("protocol", 2)) == "3"  # pushes may arrive between calls
-            or _streaming(kwargs.get("credential_provider"))
+        if getattr(pool, "cache", None) is not None or _streaming(
+            kwargs.get("credential_provider")
         ):
             return None
         limit = int(pool.max_connections) // 2  # what the pool allows (a URL may say)
