@@ -537,8 +537,7 @@ class FirestoreBackend(BatchedCleanup, BaseLockBackend):
             if not (created and _ours(result, lock_id)):
                 return result
             note_maybe_written()  # should the check fail, the lock is released for us
-            floor = self._call(lambda: list(self.client.get_all([refs[2]])))
-            if _fence_of(result) > _floor_of(floor[0]):
+            if _fence_of(result) > self._fence_floor():
                 return result
             self._release(lock_id, None)
             note_settled()  # a later "locked" must not send the next lock id to orphans
@@ -1163,7 +1162,9 @@ class FirestoreBackend(BatchedCleanup, BaseLockBackend):
     # compaction and acquire makes a fence go back: specs/backends/firestore.md,
     # Fence continuity.
     def _fence_floor(self) -> int:
-        return _floor_of(self._call(self._floor_ref().get))
+        # Through get_all, as the acquire's own reads go (the acquire's check after
+        # creating a counter reads the floor here too).
+        return _floor_of(self._call(lambda: list(self.client.get_all([self._floor_ref()])))[0])
 
     def _raise_fence_floor(self, fence: int) -> int:
         # Read, then a write guarded on that read (create if absent, else unchanged
