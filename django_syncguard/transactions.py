@@ -64,14 +64,27 @@ WATCH_PERIOD_S = 0.1
 WATCH_GRACE_S = 1.0
 
 
-def open_transactions() -> list[BaseDatabaseWrapper]:
+def open_transactions(
+    among: Sequence[BaseDatabaseWrapper] | None = None,
+) -> list[BaseDatabaseWrapper]:
     """The running thread's connections inside an ``atomic()`` block of its own code
-    (a test case's blocks do not count)."""
-    return [
-        c
-        for c in connections.all(initialized_only=True)
-        if c.in_atomic_block and _first_own_block(c) is not None
-    ]
+    (a test case's blocks do not count); with ``among``, only those of ``among``.
+
+    ``among`` is what a hold passes at its end: the thread's connections as they were
+    when the hold began (:func:`initialized_connections`). Blocks and holds nest, so a
+    transaction still open when the locked code ends was open when the lock was taken.
+    Listing the thread's connections costs little in a loop but a few tens of
+    microseconds on a thread that slept through its hold (Django's per-thread storage
+    is read once per alias, raising and catching twice each), and the end of a hold is
+    on the hand-off's path: the next holder waits for this release."""
+    candidates = connections.all(initialized_only=True) if among is None else among
+    return [c for c in candidates if c.in_atomic_block and _first_own_block(c) is not None]
+
+
+def initialized_connections() -> list[BaseDatabaseWrapper]:
+    """The running thread's database connections that exist now (opened or not): the
+    only ones that can be inside a transaction when a hold that begins now ends."""
+    return list(connections.all(initialized_only=True))
 
 
 def _first_own_block(connection: BaseDatabaseWrapper) -> int | None:

@@ -236,6 +236,38 @@ def test_without_poll_a_closed_connection_is_found_by_select(backend, redis_serv
     test_a_connection_the_server_closed_between_calls_is_opened_again(backend, redis_server)
 
 
+def test_a_connection_closed_again_after_it_was_opened_again_is_found_again(
+    backend, redis_server
+):
+    # The poll object is kept between checks (KeptPoll) and built again for a new
+    # descriptor: the second kill is found on the reopened connection too.
+    server = redis.Redis.from_url(redis_server.url)
+    try:
+        for _ in range(2):
+            first = client_id(backend)
+            assert server.client_kill_filter(_id=first) == 1
+            cycle(backend)
+            assert client_id(backend) != first
+    finally:
+        server.close()
+
+
+def test_a_held_connection_packs_its_commands_as_redis_py_does(backend):
+    # hiredis.pack_command directly, when redis-py packs with it anyway: the same
+    # bytes as redis-py's own pack, for str (non-ASCII too) and int arguments.
+    cycle(backend)
+    threads = backend.clients.threads
+    assert threads is not None
+    held = threads._local.held
+    packer = held.connection._command_packer
+    command = ("EVALSHA", "a" * 40, 1, "idx:Ω", 60_000, "façade owner", "")
+    if type(packer).__name__ != "HiredisRespSerializer":
+        assert held.pack is None  # redis-py's Python packer: its own path
+        return
+    assert held.pack(command) == b"".join(packer.pack(*command))
+    assert int(backend.clients.send(backend.client, "ECHO", 42)) == 42  # round trip
+
+
 def test_a_connection_marked_for_reconnection_is_closed_before_its_next_call(backend):
     # redis-py 8 marks a connection when the server announces maintenance; its pool
     # closes it when it comes back. A held connection is closed before its next call.

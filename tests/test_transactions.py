@@ -342,3 +342,24 @@ class TestInsideDjangoTestCase(TestCase):
 
         rolled_back(body)
         assert not self.mem.backend.is_locked("invoice:1")
+
+
+def test_the_end_of_a_hold_lists_no_connections_anew(mem, monkeypatch):
+    """The thread's connections are listed once, before the wait: the end of a hold is
+    on the next holder's path (issue 24), and a block open at the end was open at the
+    start, since blocks and holds nest."""
+    calls = []
+    listed = connections.all
+
+    def counting(*args, **kwargs):
+        calls.append(kwargs)
+        return listed(*args, **kwargs)
+
+    monkeypatch.setattr(connections, "all", counting)
+    with transaction.atomic():
+        with locked("invoice:1", using=mem.backend):
+            assert calls == [{"initialized_only": True}]
+        assert calls == [{"initialized_only": True}]
+        assert held(mem)
+    assert not held(mem)
+
