@@ -236,9 +236,7 @@ def test_without_poll_a_closed_connection_is_found_by_select(backend, redis_serv
     test_a_connection_the_server_closed_between_calls_is_opened_again(backend, redis_server)
 
 
-def test_a_connection_closed_again_after_it_was_opened_again_is_found_again(
-    backend, redis_server
-):
+def test_a_connection_closed_again_after_it_was_opened_again_is_found_again(backend, redis_server):
     # The poll object is kept between checks (KeptPoll) and built again for a new
     # descriptor: the second kill is found on the reopened connection too.
     server = redis.Redis.from_url(redis_server.url)

@@ -362,4 +362,3 @@ def test_the_end_of_a_hold_lists_no_connections_anew(mem, monkeypatch):
         assert calls == [{"initialized_only": True}]
         assert held(mem)
     assert not held(mem)
-
