@@ -14,11 +14,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field, fields
 from functools import partial
-from typing import TYPE_CHECKING, Any, Literal, Protocol, TypedDict
+from typing import Any, Literal, Protocol, TypedDict
 
 from . import signals
 from .cancellation import CancelToken, asleep, sleep, validate_cancel
@@ -32,12 +32,9 @@ from .results import AcquireResult
 from .retry import Backoff, Jitter, RetryPolicy, RetrySchedule
 from .retry import rng as default_rng
 from .signals import Outgoing
-from .transactions import initialized_connections, open_transactions, release_after
+from .transactions import HoldStart, hold_start, release_after
 from .ttl import validate_ttl
 from .waiting import WaitSession, WaitTicket
-
-if TYPE_CHECKING:
-    from django.db.backends.base.base import BaseDatabaseWrapper
 
 OnContended = Literal["wait", "skip", "raise"]
 
@@ -124,9 +121,9 @@ class LockSpec:
         """
         key = normalize_and_validate_key(key)
         backend = resolve_backend(self.using)
-        # The only connections whose transactions the release may wait for: read
-        # before the wait, so that the end of the hold does not (see _end).
-        connections = initialized_connections() if self.until_commit else []
+        # What the end of the hold needs to find the transactions it waits for: read
+        # before the wait, so that the end does not (see _end).
+        start = hold_start() if self.until_commit else None
         attempts = _Attempts(backend, key)
         result = self._take(backend, key, attempts)
         lease = Lease(backend, key, result, self.ttl_ms)
@@ -139,7 +136,7 @@ class LockSpec:
             yield lease
         finally:
             pop_current(token)
-            self._end(lease, connections)
+            self._end(lease, start)
 
     @asynccontextmanager
     async def ahold(self, key: str) -> AsyncIterator[Lease]:
@@ -250,17 +247,15 @@ class LockSpec:
             context={"key": key, "key_hash": key_hash},
         )
 
-    def _end(self, lease: Lease, connections: Sequence[BaseDatabaseWrapper]) -> None:
+    def _end(self, lease: Lease, start: HoldStart | None) -> None:
         """Release now, or, with ``until_commit`` inside ``transaction.atomic()``, when
         the running thread's transactions end (see :mod:`.transactions`). Meanwhile
-        the lease stays the holder's: auto-extend keeps renewing it.
-
-        Only ``connections``, those that existed when the hold began, are looked at:
-        ``atomic()`` blocks and holds nest, so a block still open now was open then.
-        Listing the thread's connections anew here would cost the next holder, who
+        the lease stays the holder's: auto-extend keeps renewing it. ``start`` is what
+        the hold read of the thread's connections when it began (None without
+        ``until_commit``): listing them again here would cost the next holder, who
         waits for this release, tens of microseconds on a thread that slept through
         its hold (issue 24: 60 µs of a 1 ms Redis hand-off)."""
-        transactions = open_transactions(connections) if connections else []
+        transactions = [] if start is None else start.open_transactions()
         if not transactions:
             self._release(lease)
             return

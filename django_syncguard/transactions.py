@@ -49,10 +49,12 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import cast
 
 from django.db import connections
 from django.db.backends.base.base import BaseDatabaseWrapper
+from django.db.backends.signals import connection_created
 
 from .lifecycle import track
 
@@ -68,23 +70,61 @@ def open_transactions(
     among: Sequence[BaseDatabaseWrapper] | None = None,
 ) -> list[BaseDatabaseWrapper]:
     """The running thread's connections inside an ``atomic()`` block of its own code
-    (a test case's blocks do not count); with ``among``, only those of ``among``.
-
-    ``among`` is what a hold passes at its end: the thread's connections as they were
-    when the hold began (:func:`initialized_connections`). Blocks and holds nest, so a
-    transaction still open when the locked code ends was open when the lock was taken.
-    Listing the thread's connections costs little in a loop but a few tens of
-    microseconds on a thread that slept through its hold (Django's per-thread storage
-    is read once per alias, raising and catching twice each), and the end of a hold is
-    on the hand-off's path: the next holder waits for this release."""
+    (a test case's blocks do not count); with ``among``, only those of ``among``."""
     candidates = connections.all(initialized_only=True) if among is None else among
     return [c for c in candidates if c.in_atomic_block and _first_own_block(c) is not None]
 
 
-def initialized_connections() -> list[BaseDatabaseWrapper]:
-    """The running thread's database connections that exist now (opened or not): the
-    only ones that can be inside a transaction when a hold that begins now ends."""
-    return list(connections.all(initialized_only=True))
+@dataclass(frozen=True, slots=True)
+class HoldStart:
+    """The running thread's connections when a hold began, and how many connections
+    it had opened by then (see :func:`hold_start`)."""
+
+    connections: list[BaseDatabaseWrapper]
+    opened: int
+    thread: int
+
+    def open_transactions(self) -> list[BaseDatabaseWrapper]:
+        """The thread's open transactions now, at the end of the hold.
+
+        A block still open now was open when the hold began, on one of
+        ``connections`` (blocks and holds nest), unless it was opened inside a
+        generator that the locked code left suspended: its connection may be one the
+        thread opened during the hold. Only then (Django sent ``connection_created``
+        in this thread since) are the thread's connections listed anew: listing them
+        costs little in a loop but a few tens of microseconds on a thread that slept
+        through its hold (Django's per-thread storage is read once per alias, raising
+        and catching twice each), and the end of a hold is the next holder's wait.
+        A hold that ends in another thread than it began in (a generator moved
+        between threads) lists the ending thread's connections, as any hold did."""
+        if _opened_here() != self.opened or threading.get_ident() != self.thread:
+            return open_transactions()
+        return open_transactions(self.connections) if self.connections else []
+
+
+def hold_start() -> HoldStart:
+    """What :meth:`HoldStart.open_transactions` needs, read when a hold begins (before
+    any wait)."""
+    return HoldStart(
+        list(connections.all(initialized_only=True)), _opened_here(), threading.get_ident()
+    )
+
+
+# Connections the running thread opened (Django's ``connection_created``, sent by
+# every backend's ``connect()``, which ``atomic()`` calls on a connection not open yet).
+# Only compared within one hold, in one thread: nothing to reset in a forked child.
+_opened = threading.local()
+
+
+def _opened_here() -> int:
+    return int(getattr(_opened, "count", 0))
+
+
+def _count_opened(sender: object, **kwargs: object) -> None:
+    _opened.count = _opened_here() + 1
+
+
+connection_created.connect(_count_opened, dispatch_uid="django_syncguard.transactions.opened")
 
 
 def _first_own_block(connection: BaseDatabaseWrapper) -> int | None:

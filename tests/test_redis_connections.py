@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import select
+import socket
 import threading
 import uuid
 from collections.abc import Iterator
@@ -237,8 +238,8 @@ def test_without_poll_a_closed_connection_is_found_by_select(backend, redis_serv
 
 
 def test_a_connection_closed_again_after_it_was_opened_again_is_found_again(backend, redis_server):
-    # The poll object is kept between checks (KeptPoll) and built again for a new
-    # descriptor: the second kill is found on the reopened connection too.
+    # Two kills in a row: the check keeps its poll object between calls (KeptPoll)
+    # and still finds the second on the connection opened after the first.
     server = redis.Redis.from_url(redis_server.url)
     try:
         for _ in range(2):
@@ -250,9 +251,28 @@ def test_a_connection_closed_again_after_it_was_opened_again_is_found_again(back
         server.close()
 
 
-def test_a_held_connection_packs_its_commands_as_redis_py_does(backend):
-    # hiredis.pack_command directly, when redis-py packs with it anyway: the same
-    # bytes as redis-py's own pack, for str (non-ASCII too) and int arguments.
+def test_a_kept_poll_object_follows_a_new_descriptor():
+    # Built again for another descriptor: a connection opened again may get another
+    # number, and polling the old one would answer for a socket it no longer is.
+    kept = sockets.KeptPoll()
+    first, first_peer = socket.socketpair()
+    second, second_peer = socket.socketpair()
+    try:
+        assert kept.readable(first.fileno()) is False
+        first_peer.send(b"x")
+        assert kept.readable(first.fileno()) is True
+        assert kept.readable(second.fileno()) is False  # not first's answer
+        second_peer.send(b"x")
+        assert kept.readable(second.fileno()) is True
+    finally:
+        for end in (first, first_peer, second, second_peer):
+            end.close()
+
+
+def test_a_held_connection_packs_its_commands_as_redis_py_does(backend, monkeypatch):
+    # hiredis.pack_command directly, where redis-py packs with it anyway: the same
+    # bytes as redis-py's own pack, for str (non-ASCII too) and int arguments, and the
+    # held path sends them (the packer is asked for every call).
     cycle(backend)
     threads = backend.clients.threads
     assert threads is not None
@@ -263,7 +283,35 @@ def test_a_held_connection_packs_its_commands_as_redis_py_does(backend):
         assert held.pack is None  # redis-py's Python packer: its own path
         return
     assert held.pack(command) == b"".join(packer.pack(*command))
-    assert int(backend.clients.send(backend.client, "ECHO", 42)) == 42  # round trip
+    packed, pack = [], held.pack
+    monkeypatch.setattr(held, "pack", lambda c: packed.append(c) or pack(c))
+    assert int(backend.clients.send(backend.client, "ECHO", 42)) == 42
+    assert packed == [("ECHO", 42)]
+
+
+def test_an_argument_hiredis_refuses_is_reported_as_redis_py_reports_it(backend):
+    cycle(backend)
+    with pytest.raises(redis.DataError):
+        backend.clients.send(backend.client, "ECHO", object())
+    assert int(backend.clients.send(backend.client, "ECHO", 7)) == 7  # still usable
+
+
+def test_a_connection_class_that_sends_commands_itself_keeps_its_send(redis_server):
+    sent: list[tuple] = []
+
+    class Counting(redis.connection.Connection):
+        def send_command(self, *args, **kwargs):
+            sent.append(args)
+            return super().send_command(*args, **kwargs)
+
+    made = backend_on(redis_server, CLIENT_KWARGS={"connection_class": Counting})
+    try:
+        cycle(made)  # connects (HELLO, CLIENT SETINFO...), loads the scripts
+        sent.clear()
+        cycle(made)
+        assert [args[0] for args in sent] == ["EVALSHA", "EVALSHA"]
+    finally:
+        made.close()
 
 
 def test_a_connection_marked_for_reconnection_is_closed_before_its_next_call(backend):

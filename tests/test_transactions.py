@@ -345,9 +345,10 @@ class TestInsideDjangoTestCase(TestCase):
 
 
 def test_the_end_of_a_hold_lists_no_connections_anew(mem, monkeypatch):
-    """The thread's connections are listed once, before the wait: the end of a hold is
-    on the next holder's path (issue 24), and a block open at the end was open at the
-    start, since blocks and holds nest."""
+    """The thread's connections are listed once, before the wait, when the hold opened
+    none: the end of a hold is on the next holder's path (issue 24; listing them costs
+    tens of microseconds on a thread that slept), and a block open at the end was open
+    at the start, since blocks and holds nest."""
     calls = []
     listed = connections.all
 
@@ -362,3 +363,33 @@ def test_the_end_of_a_hold_lists_no_connections_anew(mem, monkeypatch):
         assert calls == [{"initialized_only": True}]
         assert held(mem)
     assert not held(mem)
+
+
+def test_a_transaction_left_open_in_a_generator_on_a_connection_opened_during_the_hold(mem):
+    """The one way a block can outlive the hold it began in: a generator the locked
+    code left inside its atomic(). In a fresh thread (a worker's, a request's), that
+    block's connection is opened during the hold, so the hold's end lists the
+    thread's connections anew (Django sent connection_created) and waits for it."""
+    seen: dict[str, bool] = {}
+
+    def rows():
+        with transaction.atomic():
+            yield
+            yield
+
+    def work() -> None:
+        try:
+            writes = rows()
+            with locked("invoice:1", using=mem.backend):
+                next(writes)  # inside rows()' transaction: written under the lock
+            seen["held after the hold"] = held(mem)
+            for _ in writes:  # the transaction commits
+                pass
+            seen["held after its commit"] = held(mem)
+        finally:
+            connections.close_all()
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join()
+    assert seen == {"held after the hold": True, "held after its commit": False}

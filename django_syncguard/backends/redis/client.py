@@ -220,11 +220,12 @@ class ThreadConnections:
             or (held.should_reconnect is not None and held.should_reconnect())
         ):
             connection.disconnect()  # the send below connects again
+        packed = None if held.pack is None else _packed(held.pack, command)
         held.busy = True  # until the reply is read: an interrupt between leaves it set
-        if held.pack is None:
+        if packed is None:
             connection.send_command(*command)
         else:
-            connection.send_packed_command([held.pack(command)])
+            connection.send_packed_command(packed)
         try:
             reply = connection.read_response()
         except Exception:
@@ -285,17 +286,33 @@ class _Held:
 
 def _hiredis_packer(connection: Any) -> Any:
     """``hiredis.pack_command`` when ``connection`` packs commands with it anyway
-    (redis-py's ``HiredisRespSerializer``, chosen when hiredis is installed), else
-    None. redis-py's own ``pack`` first splits a command name with spaces and copies
-    every argument through a generator; our commands need neither, and on a thread
-    that slept through a hold that wrapper cost about 55 µs of the release's way to
-    the socket (issue 24)."""
+    (redis-py's ``HiredisRespSerializer``, chosen when hiredis is installed) and its
+    class sends commands as redis-py's does (a ``connection_class`` that overrides
+    ``send_command`` keeps it), else None. redis-py's own ``pack`` first splits a
+    command name that holds a space and copies every argument through a generator
+    (turning a ``bytearray`` or ``memoryview`` into ``bytes``); our commands need
+    neither (their names are separate arguments: ``"SCRIPT", "LOAD"``), and on a
+    thread that slept through a hold that wrapper cost about 55 µs of the release's
+    way to the socket (issue 24)."""
+    redis = _redis()
+    base = getattr(redis.connection, "AbstractConnection", redis.connection.Connection)
+    if type(connection).send_command is not base.send_command:
+        return None
     packer = getattr(connection, "_command_packer", None)
     if type(packer).__name__ != "HiredisRespSerializer":
         return None
     import hiredis
 
     return getattr(hiredis, "pack_command", None)
+
+
+def _packed(pack: Any, command: tuple[Any, ...]) -> list[bytes] | None:
+    """``command`` packed by ``pack``; None for an argument hiredis refuses, which
+    redis-py's own path then reports as it does (``DataError``)."""
+    try:
+        return [pack(command)]
+    except TypeError:
+        return None
 
 
 #: What a Redis server's socket shows when the server ended the connection: the end
