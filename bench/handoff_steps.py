@@ -1,6 +1,7 @@
 """Where a Redis hand-off's time goes, step by step, next to the FIFO floor (issue 24).
 
     .venv/bin/python bench/handoff_steps.py [--hold-ms 20] [--seconds 6] [--processes 8]
+        [--backend redis|postgres]
 
 Starts a throw-away ``redis-server`` on a free loopback port, then, one after the
 other, two runs of ``--processes`` spawned processes looping on one hot key with a
@@ -31,6 +32,26 @@ The wrappers add a few microseconds to each step; both runs pay them alike. The
 release script's own time on the server (``SLOWLOG``, every call logged) is given
 too. The stamps say where the time goes; ``bench/contention.py`` says how long a
 hand-off takes.
+
+``--backend postgres``: the same for the database backend on a throw-away PostgreSQL
+with its durable defaults (one run, ours only; the wake-up is a ``NOTIFY`` that the
+channel worker's thread reads and hands to the waiting thread):
+
+| step | from | to |
+|---|---|---|
+| exit → release | the releaser's body returns | ``DatabaseBackend.release`` is called |
+| release → send | | the release statement is executed |
+| send → read | | the grantee's listening connection is read |
+| read → parsed | | the notifications are parsed into events |
+| parsed → delivered | | ``WakeUps.deliver`` has woken the waiter |
+| delivered → returned | | the waiter's ``Listener.wait`` returns |
+| returned → granted | | the wait session returns the grant |
+| granted → body | | the grantee's body starts |
+
+and the release statement's round trip as its caller sees it (send to reply). Only the
+hand-offs that went the whole way are counted (the number is printed): on PostgreSQL a
+release that finds an acquire holding the key's advisory lock only wakes the waiter,
+and that acquire grants instead.
 """
 
 from __future__ import annotations
@@ -57,6 +78,7 @@ from tests.support.servers import RedisServer  # noqa: E402
 
 OURS = ("exit", "release", "send", "read", "parsed", "delivered", "returned", "granted", "body")
 FLOOR = ("exit", "release", "send", "popped", "body")
+POSTGRES = ("exit", "release", "send", "read", "parsed", "delivered", "returned", "granted", "body")
 Stamps = list[tuple[str, int]]
 
 
@@ -121,6 +143,46 @@ def stamp_ours(record: Callable[[str], None], local: threading.local) -> None:
     around(session.WaitSession, "attempt", record, "granted")
 
 
+def stamp_postgres(record: Callable[[str], None], local: threading.local) -> None:
+    """The database backend's path on PostgreSQL, stamped as :func:`stamp_ours` does
+    Redis's; "released" when the release returns (its round trip, from "send")."""
+    from django_syncguard.backends.database import postgresql, wakeups
+    from django_syncguard.backends.database.backend import DatabaseBackend
+    from django_syncguard.waiting import listeners, session
+
+    release = DatabaseBackend.release
+
+    def releasing(*args: Any, **kwargs: Any) -> Any:
+        record("release")
+        local.releasing = True
+        try:
+            return release(*args, **kwargs)
+        finally:
+            local.releasing = False
+            record("released")
+
+    DatabaseBackend.release = releasing  # type: ignore[method-assign]
+    fetch_one = postgresql.fetch_one
+
+    def fetching(cursor: Any, sql: str, params: list[Any]) -> Any:
+        if sql == postgresql.RELEASE and getattr(local, "releasing", False):
+            record("send")
+        return fetch_one(cursor, sql, params)
+
+    postgresql.fetch_one = fetching
+    receive = wakeups._Listening.receive
+
+    def receiving(self: Any) -> Any:
+        record("read")
+        return receive(self)
+
+    wakeups._Listening.receive = receiving  # type: ignore[method-assign]
+    around(wakeups._Listening, "receive", record, "parsed")
+    around(listeners.WakeUps, "deliver", record, "delivered")
+    around(listeners.Listener, "wait", record, "returned")
+    around(session.WaitSession, "attempt", record, "granted")
+
+
 def floor_method(url: str, record: Callable[[str], None], local: threading.local) -> Any:
     import redis.commands.core
 
@@ -141,10 +203,16 @@ def floor_method(url: str, record: Callable[[str], None], local: threading.local
 
 
 def child(kind: str, url: str, hold_s: float, start_ns: int, seconds: float, out: Any) -> None:
-    from bench.common import configure_django
+    from bench.common import configure_django, postgres_database
 
-    location = {"BACKEND": "django_syncguard.backends.redis.RedisBackend", "LOCATION": url}
-    configure_django({}, {"default": location})
+    if kind == "postgres":  # url: the server's port
+        database = {"BACKEND": "django_syncguard.backends.database.DatabaseBackend"}
+        configure_django(
+            {"default": postgres_database(int(url), name="bench")}, {"default": database}
+        )
+    else:
+        location = {"BACKEND": "django_syncguard.backends.redis.RedisBackend", "LOCATION": url}
+        configure_django({}, {"default": location})
     stamps: Stamps = []
     local = threading.local()
 
@@ -156,10 +224,10 @@ def child(kind: str, url: str, hold_s: float, start_ns: int, seconds: float, out
         time.sleep(hold_s)
         record("exit")
 
-    if kind == "ours":
+    if kind in ("ours", "postgres"):
         from django_syncguard import lock
 
-        stamp_ours(record, local)
+        (stamp_ours if kind == "ours" else stamp_postgres)(record, local)
 
         def hold(key: str) -> None:
             lock(body, key=key, ttl_ms=10_000, timeout_ms=5_000)
@@ -241,7 +309,11 @@ def main() -> None:
     parser.add_argument("--hold-ms", type=float, default=20)
     parser.add_argument("--seconds", type=float, default=6)
     parser.add_argument("--processes", type=int, default=8)
+    parser.add_argument("--backend", choices=("redis", "postgres"), default="redis")
     args = parser.parse_args()
+    if args.backend == "postgres":
+        postgres_main(args)
+        return
     import redis
 
     server = RedisServer().start()
@@ -267,6 +339,43 @@ def main() -> None:
     print(f"| send → popped (floor) | | {p50_us(floor['send → popped'])} |")
     print(f"| popped → body (floor) | | {p50_us(floor['popped → body'])} |")
     print(f"\nThe release script on the server (SLOWLOG), syncguard: p50 {p50_us(script, 1)} µs.")
+
+
+def postgres_main(args: argparse.Namespace) -> None:
+    from bench.common import configure_django, create_bench_database, postgres_database
+    from tests.support.servers import PostgresServer
+
+    server = PostgresServer(settings=()).start()  # durable defaults, as bench/contention.py
+    try:
+        version = create_bench_database(server.port)
+        configure_django({"default": postgres_database(server.port, name="bench")})
+        from django.core.management import call_command
+
+        call_command("migrate", "django_syncguard", verbosity=0)
+        runs = run("postgres", str(server.port), args)
+    finally:
+        server.destroy()
+    ours = steps(runs, POSTGRES)
+    trips = []
+    for stamps in runs.values():
+        sent = None
+        for name, t in stamps:
+            if name == "send":
+                sent = t
+            elif name == "released" and sent is not None:
+                trips.append(t - sent)
+                sent = None
+    print(
+        f"# Hand-off steps on PostgreSQL {version} (fsync on): {args.processes} processes x "
+        f"{args.hold_ms:g} ms holds, {args.seconds:g} s, p50 in µs\n"
+    )
+    print(f"{len(ours['hand-off'])} hand-offs\n\n| step | syncguard |\n|---|--:|")
+    for name, values in ours.items():
+        print(f"| {name} | {p50_us(values)} |")
+    print(
+        "\nThe release statement's round trip (send to reply), every release: "
+        f"p50 {p50_us(trips)} µs."
+    )
 
 
 if __name__ == "__main__":
