@@ -94,13 +94,11 @@ def around(owner: Any, name: str, record: Callable[[str], None], after: str) -> 
     setattr(owner, name, stamped)
 
 
-def stamp_release(
+def stamp_releasing(
     owner: Any, name: str, record: Callable[[str], None], local: threading.local
 ) -> None:
-    """Stamp "release" when ``owner.name`` is called, and "send" when that call writes
-    its request to a redis-py connection."""
-    import redis.connection
-
+    """Stamp "release" when ``owner.name`` is called, and mark the thread as releasing
+    (``local.releasing``) until it returns."""
     release = getattr(owner, name)
 
     def releasing(*args: Any, **kwargs: Any) -> Any:
@@ -112,6 +110,16 @@ def stamp_release(
             local.releasing = False
 
     setattr(owner, name, releasing)
+
+
+def stamp_release(
+    owner: Any, name: str, record: Callable[[str], None], local: threading.local
+) -> None:
+    """Stamp "release" when ``owner.name`` is called, and "send" when that call writes
+    its request to a redis-py connection."""
+    import redis.connection
+
+    stamp_releasing(owner, name, record, local)
     connection = getattr(redis.connection, "AbstractConnection", redis.connection.Connection)
     send = connection.send_packed_command
 
@@ -150,18 +158,8 @@ def stamp_postgres(record: Callable[[str], None], local: threading.local) -> Non
     from django_syncguard.backends.database.backend import DatabaseBackend
     from django_syncguard.waiting import listeners, session
 
-    release = DatabaseBackend.release
-
-    def releasing(*args: Any, **kwargs: Any) -> Any:
-        record("release")
-        local.releasing = True
-        try:
-            return release(*args, **kwargs)
-        finally:
-            local.releasing = False
-            record("released")
-
-    DatabaseBackend.release = releasing  # type: ignore[method-assign]
+    around(DatabaseBackend, "release", record, "released")
+    stamp_releasing(DatabaseBackend, "release", record, local)
     fetch_one = postgresql.fetch_one
 
     def fetching(cursor: Any, sql: str, params: list[Any]) -> Any:

@@ -99,7 +99,7 @@ class HoldStart:
         between threads) lists the ending thread's connections, as any hold did."""
         if _opened_here() != self.opened or threading.get_ident() != self.thread:
             return open_transactions()
-        return open_transactions(self.connections) if self.connections else []
+        return open_transactions(self.connections)
 
 
 def hold_start() -> HoldStart:

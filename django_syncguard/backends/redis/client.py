@@ -322,7 +322,7 @@ def _packed(pack: Any, command: tuple[Any, ...]) -> list[bytes] | None:
 _GONE_MARKS = (b"", b"\x15")
 
 
-def _stale(connection: Any, kept: KeptPoll | None = None) -> bool:
+def _stale(connection: Any, kept: KeptPoll) -> bool:
     """Whether the server ended ``connection`` between two calls (a restart, ``CLIENT
     KILL``, an idle timeout): what the pool's ``can_read`` finds before it hands a
     connection out."""
