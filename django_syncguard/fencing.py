@@ -60,7 +60,16 @@ def check_fence(fence: str, key: str) -> str:
     A backend that let a fence above ``FENCE_MAX`` through would be a bug: it is
     reported as ``Internal``.
     """
-    value = int(validate_fence(fence))
+    return _checked(int(validate_fence(fence)), fence, key)
+
+
+def check_fence_number(value: int, key: str) -> str:
+    """:func:`check_fence` of a fence a backend handed out as a number (a grant's):
+    the same checks on the number, then its string, without parsing one back."""
+    return _checked(value, format_fence(value), key)
+
+
+def _checked(value: int, fence: str, key: str) -> str:
     if value > FENCE_MAX:
         raise fence_overflow_error(key)
     if value > FENCE_WARN:

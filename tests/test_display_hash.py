@@ -18,7 +18,8 @@ from django.conf import settings
 from django.test import override_settings
 
 from django_syncguard import InvalidArgument, generate_lock_id, hash_key, locked
-from django_syncguard.fencing import check_fence
+from django_syncguard.errors import Internal
+from django_syncguard.fencing import FENCE_MAX, check_fence, check_fence_number
 from django_syncguard.keys import DISPLAY_HASH_SALT, display_hash, display_hash_of
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -139,3 +140,19 @@ def test_the_fence_warning_names_the_key_by_its_display_hash(caplog):
     [line] = [r.getMessage() for r in caplog.records]
     assert line.startswith(f"Lock fence 090000000000001 of key {display_hash(key)} is above")
     assert hash_key(key) not in line
+
+
+def test_a_granted_fence_number_is_checked_as_its_string_is(caplog):
+    caplog.set_level(logging.WARNING, logger="django_syncguard")
+    key = f"warn-{generate_lock_id()}"
+
+    assert check_fence_number(7, key) == "000000000000007"
+    assert check_fence_number(90000000000001, key) == "090000000000001"
+    assert check_fence_number(90000000000002, key) == "090000000000002"  # warned once
+
+    [line] = [r.getMessage() for r in caplog.records]
+    assert line.startswith(f"Lock fence 090000000000001 of key {display_hash(key)} is above")
+    with pytest.raises(Internal, match="would pass"):
+        check_fence_number(FENCE_MAX + 1, key)
+    with pytest.raises(Internal, match="would pass"):
+        check_fence(f"{FENCE_MAX + 1:015d}", key)

@@ -13,6 +13,7 @@ import os
 import queue
 import random
 import select
+import socket
 import threading
 import time
 import uuid
@@ -25,7 +26,7 @@ from django_syncguard.backends.redis import RedisBackend
 from django_syncguard.backends.redis import wakeups as redis_wakeups
 from django_syncguard.backends.redis.client import pooled_connection, socket_reader
 from django_syncguard.backends.redis.wakeups import RedisWakeUps
-from django_syncguard.waiting import GRANT_WINDOW_MS, WaitTicket
+from django_syncguard.waiting import GRANT_WINDOW_MS, WaitTicket, channels
 from django_syncguard.waiting.channels import Message
 from django_syncguard.waiting.tickets import QUEUE_AFTER_GRANT_MS, RECHECK_MARGIN_MS, Grant
 from tests.support import redis_wakeup_workers as workers
@@ -1105,3 +1106,80 @@ def test_a_first_waiter_that_takes_the_key_itself_takes_the_hint_along(watched, 
     rh.advance(2 * TTL)
     assert backend.acquire(key, TTL, ticket=first).ok  # no grant was made: it takes it
     assert b"h" not in fields(backend, key)
+
+
+def test_a_reply_on_the_process_channel_is_the_same_message_as_bytes_or_str(rh):
+    # Bytes (hiredis, redis-py's reads) take the grant's short path; str (redis-py's
+    # reads with decode_responses) the general one. Other channels: the general path.
+    wake_ups, mine = rh.redis.wake_ups, ticket()
+    listener = wake_ups.listen("x:bytes", mine.id)
+    try:
+        subscriber = wake_ups._connection
+        own = subscriber.own_channel
+        name = "sg:a key: with spaces é"
+        grant = Message(name, "T", Grant("L", 2, 123))
+        payload = f"g T L 2 123 {name}"
+        assert subscriber._event([b"message", own.encode(), payload.encode()]) == grant
+        assert subscriber._event(["message", own, payload]) == grant
+        assert subscriber._event([b"message", name.encode(), b"T"]) == Message(name, "T")
+        assert subscriber._event([b"message", own.encode(), b"x T"]) is None
+    finally:
+        listener.close()
+
+
+def test_leaders_wait_on_a_poll_kept_between_leads_and_rebuilt_for_another_descriptor(rh):
+    backend = rh.redis
+    wake_ups = backend.wake_ups
+
+    def lead_once(key: str) -> None:
+        listener, held, thread, outcome = queued_leader(backend, key, "leading-waiter")
+        try:
+            assert backend.release(held.lock_id).ok
+            thread.join(WAKE_S)
+            assert outcome == {"woken": True}
+        finally:
+            listener.close()
+
+    lead_once("x:poll-1")
+    kept = wake_ups._lead_poll
+    assert kept is not None
+    assert kept.fd == wake_ups._connection.fileno()
+    lead_once("x:poll-2")
+    assert wake_ups._lead_poll is kept
+    spare, other = socket.socketpair()
+    try:
+        wake_ups._lead_poll = channels._LeadPoll(spare.fileno(), wake_ups._lead_r.fileno())
+        lead_once("x:poll-3")
+        assert wake_ups._lead_poll.fd == wake_ups._connection.fileno() != spare.fileno()
+    finally:
+        spare.close()
+        other.close()
+
+
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
+def test_a_forked_child_builds_its_own_leaders_poll(rh):
+    backend = rh.redis
+    wake_ups = backend.wake_ups
+    listener, held, thread, outcome = queued_leader(backend, "fork:poll", "parent-waiter")
+    try:
+        # The leader builds its poll once it leads (just after it became the leader).
+        wait_until(lambda: wake_ups._lead_poll is not None, WAKE_S, "the leader's poll")
+        parents = wake_ups._lead_poll
+
+        def child() -> list:
+            before = wake_ups._lead_poll  # the reset ran at the fork
+            _, holder, waiter, result = queued_leader(backend, "fork:poll-child", "child")
+            backend.release(holder.lock_id)
+            waiter.join(WAKE_S)
+            built = wake_ups._lead_poll
+            return [before is None, result, built is not None and built is not parents]
+
+        forked = Forked(child)
+        forked.go()
+        assert forked.result() == [True, {"woken": True}, True]
+        assert wake_ups._lead_poll is parents
+        assert backend.release(held.lock_id).ok
+        thread.join(WAKE_S)
+        assert outcome == {"woken": True}
+    finally:
+        listener.close()

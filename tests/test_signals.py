@@ -439,3 +439,18 @@ def test_nothing_is_hashed_without_receivers(mem, monkeypatch):
 def test_the_six_signals_exist():
     assert all(isinstance(signal, Signal) for signal in ALL.values())
     assert len({id(signal) for signal in ALL.values()}) == 6
+
+
+def test_a_receiver_connected_after_unobserved_locks_hears_the_next_one(mem):
+    # The signals cache "no receivers" per sender (use_caching): connecting must clear it.
+    assert lock(lambda: 1, key=KEY, using=mem.backend) == 1
+    with receiving(sg.lock_acquired, sg.lock_released) as received, locked(KEY, using=mem.backend):
+        lease = snapshot()
+    second = "000000000000002"
+    assert received == [
+        acquired(mem.backend, lease, fence=second),
+        released(mem.backend, lease[0], fence=second),
+    ]
+    # ... and disconnecting too: nothing is sent to a receiver that is gone.
+    assert lock(lambda: 2, key=KEY, using=mem.backend) == 2
+    assert len(received) == 2

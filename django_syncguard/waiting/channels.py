@@ -55,7 +55,9 @@ from __future__ import annotations
 import contextlib
 import enum
 import logging
+import math
 import random
+import select
 import selectors
 import socket
 import threading
@@ -302,6 +304,9 @@ class ChannelWorker(WakeUps):
         self._lead_r, self._lead_w = socket.socketpair()
         self._lead_r.setblocking(False)
         self._lead_w.setblocking(False)
+        # What leaders wait on, kept between leads (see _lead); built for the socket
+        # pair above, so a forked child builds its own.
+        self._lead_poll: _LeadPoll | None = None
 
     # ------------------------------------------------------------------ state
     @property
@@ -651,22 +656,53 @@ class ChannelWorker(WakeUps):
 
     def _lead(self, listener: Listener, connection: Connection, fd: int, deadline: float) -> None:
         """Read ``connection`` (open on ``fd``) until ``listener`` is woken, the
-        deadline passes, or the worker takes the connection back."""
-        with selectors.DefaultSelector() as selector:  # any descriptor, unlike select()
+        deadline passes, or the worker takes the connection back.
+
+        The leader waits on a poll object kept between leads (rebuilt for another
+        descriptor): a selector built and closed for each lead cost the grantee a
+        system call between its wake-up and its body. Without ``select.poll``
+        (Windows), a selector per lead."""
+        if not _HAS_POLL:
+            with selectors.DefaultSelector() as selector:  # any descriptor, unlike select()
+                try:
+                    selector.register(fd, selectors.EVENT_READ)
+                    selector.register(self._lead_r, selectors.EVENT_READ)
+                except (OSError, ValueError):  # closed already: the worker's thread finds out
+                    return
+                self._lead_on(
+                    listener,
+                    connection,
+                    fd,
+                    deadline,
+                    lambda left: [key.fd for key, _ in selector.select(left)],
+                )
+            return
+        kept = self._lead_poll
+        if kept is None or kept.fd != fd:
             try:
-                selector.register(fd, selectors.EVENT_READ)
-                selector.register(self._lead_r, selectors.EVENT_READ)
+                kept = self._lead_poll = _LeadPoll(fd, self._lead_r.fileno())
             except (OSError, ValueError):  # closed already: the worker's thread finds out
                 return
-            while not listener._event.is_set() and not self._revoked:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return
-                ready = [key.fileobj for key, _ in selector.select(left)]
-                if self._lead_r in ready:
-                    self._drain(self._lead_r)
-                if fd in ready and not self._read_as_leader(connection, fd):
-                    return
+        self._lead_on(listener, connection, fd, deadline, kept.ready)
+
+    def _lead_on(
+        self,
+        listener: Listener,
+        connection: Connection,
+        fd: int,
+        deadline: float,
+        ready_within: Callable[[float], list[int]],
+    ) -> None:
+        pair_fd = self._lead_r.fileno()
+        while not listener._event.is_set() and not self._revoked:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            ready = ready_within(left)
+            if pair_fd in ready:
+                self._drain(self._lead_r)
+            if fd in ready and not self._read_as_leader(connection, fd):
+                return
 
     def _read_as_leader(self, connection: Connection, fd: int) -> bool:
         """Read and handle what arrived, as the worker's thread would; False when
@@ -992,3 +1028,25 @@ class ChannelWorker(WakeUps):
             self._confirmed.clear()
             self._thread = None
             self._cond.notify_all()
+
+
+_HAS_POLL = hasattr(select, "poll")  # not on Windows
+
+
+class _LeadPoll:
+    """A poll object for a leader: the connection's descriptor and the socket pair
+    that wakes the leader. Any event counts as ready, as a selector reports a hang-up
+    or an error (the read that follows finds out which)."""
+
+    __slots__ = ("_poller", "fd")
+
+    def __init__(self, fd: int, pair_fd: int) -> None:
+        self.fd = fd
+        self._poller = select.poll()
+        self._poller.register(fd, select.POLLIN)
+        self._poller.register(pair_fd, select.POLLIN)
+
+    def ready(self, timeout_s: float) -> list[int]:
+        """The descriptors ready within ``timeout_s`` (rounded up to a millisecond,
+        as a selector rounds it, so a wait never spins)."""
+        return [fd for fd, _ in self._poller.poll(math.ceil(timeout_s * 1000))]

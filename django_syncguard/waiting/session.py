@@ -36,7 +36,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 from ..cancellation import CancelToken
-from ..fencing import check_fence, format_fence
+from ..fencing import check_fence_number
 from ..results import AcquireResult
 from . import tickets
 from .listeners import Listener, WakeUps
@@ -124,7 +124,7 @@ class WaitSession:
         grant = None if self.listener is None else self.listener.grant
         if grant is None:
             return None
-        fence = check_fence(format_fence(grant.fence), self.key)
+        fence = check_fence_number(grant.fence, self.key)
         return AcquireResult(
             ok=True, lock_id=grant.lock_id, expires_at_ms=grant.expires_at_ms, fence=fence
         )
