@@ -1,7 +1,8 @@
 """Fair, notified waiting under contention: many workers cycling on ONE hot key (issues 14, 24).
 
     .venv/bin/python bench/contention.py [--seconds 10] [--quick]
-        [--backends redis,postgres,sqlite,firestore] [--methods on,off,redis-py,prl,fifo]
+        [--backends redis,postgres,sqlite,firestore]
+        [--methods on,off,redis-py,prl,fifo,pg-floor]
         [--clients 2,8,32] [--holds 1,20] [--all-cells] [--uncontended-seconds 3]
         [--out bench/reports/contention.md]
 
@@ -21,6 +22,12 @@ the hold time (1 or 20 ms). Per backend, side by side on one server:
   ``BLPOP`` per waiter, the release handing the key over in its script, with no fence,
   expiry check, lock id index, cancellation or owner. What separates it from ``on``
   is the cost of what ``on`` does beyond that.
+- PostgreSQL only, ``pg-floor``: the same kind of yardstick (``PostgresFloor``): a
+  waiter blocks in the server, in ``pg_advisory_lock`` (whose waiters PostgreSQL
+  serves first come, first served), then takes a fence with a durable commit; the
+  release is ``pg_advisory_unlock``. No expiry, lock id, cancellation or owner, and a
+  connection blocked per waiter. ``on`` instead waits for a ``NOTIFY`` from a release
+  that grants in its own durable transaction.
 
 Clients: **2** and **8** are spawned processes with one client each; **32** are 4
 processes with 8 client threads each: many waiters in one process share its backend
@@ -99,7 +106,7 @@ TITLES = {
 }
 METHODS = {
     "redis": ("on", "off", "redis-py", "prl", "fifo"),
-    "postgres": ("on", "off"),
+    "postgres": ("on", "off", "pg-floor"),
     "sqlite": ("on", "off"),
     "firestore": ("on", "off"),
 }
@@ -109,6 +116,7 @@ METHOD_TITLES = {
     "redis-py": "redis-py Lock",
     "prl": "python-redis-lock",
     "fifo": "FIFO floor (bench only)",
+    "pg-floor": "FIFO floor (bench only)",
 }
 #: The default cells: every client count on Redis and PostgreSQL, 8 processes on SQLite
 #: and Firestore (``--all-cells``: every count everywhere), each with every hold of
@@ -315,6 +323,11 @@ def setup_process(target: Target, migrate: bool) -> None:
         from django.core.management import call_command
 
         call_command("migrate", "django_syncguard", verbosity=0)
+    if migrate and target.backend == "postgres":
+        from django.db import connection
+
+        with connection.cursor() as cursor:
+            cursor.execute(PostgresFloor.CREATE)
 
 
 def make_backend(target: Target, wake_ups: bool, alias: str = "contention") -> Any:
@@ -559,6 +572,68 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then
         self.client.close()
 
 
+class PostgresFloor:
+    """Not a lock anybody should use: the least a first-come-first-served lock with a
+    durable fence can do on PostgreSQL from Python, to show what such a hand-off costs
+    on this machine. Each client thread has a connection of its own (autocommit); a
+    waiter blocks in ``pg_advisory_lock`` on it (PostgreSQL wakes the lock's waiters in
+    the order they came, the releasing backend waking the next one's directly), then
+    takes the key's next fence (one ``UPDATE ... RETURNING``, a durable commit, as our
+    grant's); the release is ``pg_advisory_unlock``. ``lock_timeout`` bounds the wait.
+    Each ``pg_advisory_lock`` is an attempt."""
+
+    FENCES = "bench_floor_fences"
+    CREATE = f"CREATE TABLE IF NOT EXISTS {FENCES} (key text PRIMARY KEY, fence bigint)"
+
+    def __init__(self, target: Target) -> None:
+        self.target = target
+        self.local = threading.local()
+        self.connections: list[Any] = []  # every thread's, closed by close()
+
+    def _connection(self) -> Any:
+        connection = getattr(self.local, "connection", None)
+        if connection is None:
+            import psycopg
+
+            connection = psycopg.connect(
+                host="127.0.0.1",
+                port=self.target.port,
+                user="postgres",
+                dbname=self.target.database,
+                autocommit=True,
+            )
+            self.connections.append(connection)
+            self.local.connection, self.local.timeout_ms = connection, None
+        return connection
+
+    def hold(self, key: str, body: Callable[[], None], filler: bool) -> bool:
+        import psycopg
+
+        connection = self._connection()
+        timeout_ms = int(FILLER_PEER_TIMEOUT_S * 1000) if filler else TIMEOUT_MS
+        if timeout_ms != self.local.timeout_ms:
+            connection.execute(f"SET lock_timeout = {timeout_ms}")
+            self.local.timeout_ms = timeout_ms
+        try:
+            METER.attempt(connection.execute, "SELECT pg_advisory_lock(hashtext(%s))", [key])
+        except psycopg.errors.LockNotAvailable:
+            return False
+        try:
+            connection.execute(
+                f"INSERT INTO {self.FENCES} AS f VALUES (%s, 1) ON CONFLICT (key) "
+                "DO UPDATE SET fence = f.fence + 1 RETURNING fence",
+                [key],
+            ).fetchone()
+            body()
+        finally:
+            connection.execute("SELECT pg_advisory_unlock(hashtext(%s))", [key])
+        return True
+
+    def close(self) -> None:
+        for connection in self.connections:
+            connection.close()
+
+
 def build_method(target: Target, method: str, stop: Any) -> Any:
     if method in ("on", "off"):
         return Ours(target, method == "on", stop)
@@ -566,6 +641,8 @@ def build_method(target: Target, method: str, stop: Any) -> Any:
         return RedisPyLock(target)
     if method == "fifo":
         return FifoFloor(target)
+    if method == "pg-floor":
+        return PostgresFloor(target)
     return PythonRedisLock(target)
 
 
@@ -1616,9 +1693,10 @@ def main() -> None:
     parser.add_argument("--backends", default=",".join(BACKENDS), help="comma-separated")
     parser.add_argument(
         "--methods",
-        default="on,off,redis-py,prl,fifo",
-        help="comma-separated, of on, off, redis-py, prl, fifo (default: all five; the last "
-        "three on Redis only, where they run in every cell beside ours)",
+        default="on,off,redis-py,prl,fifo,pg-floor",
+        help="comma-separated, of on, off, redis-py, prl, fifo, pg-floor (default: all six; "
+        "redis-py, prl and fifo on Redis only, pg-floor on PostgreSQL only, where they run "
+        "in every cell beside ours)",
     )
     parser.add_argument(
         "--clients",
