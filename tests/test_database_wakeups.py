@@ -373,6 +373,80 @@ async def test_an_async_waiter_is_woken_by_a_release(pg, other):
         listener.close()
 
 
+def queued_leader(backend: DatabaseBackend, other: DatabaseBackend, key: str, name: str) -> tuple:
+    """``key`` held by ``other``, a ticket of ``backend`` queued first behind it, and a
+    thread named ``name`` waiting for that ticket's wake-up, reading the listening
+    connection itself (leading): (listener, held lock, thread, outcome)."""
+    wake_ups = backend.wake_ups
+    held = other.acquire(key, TTL)
+    listener = queue_and_subscribe(backend, key, WaitTicket.new())
+    outcome: dict[str, Any] = {}
+    thread = threading.Thread(
+        target=lambda: outcome.setdefault("woken", listener.wait(WAKE_S, None)), name=name
+    )
+    thread.start()
+    wait_until(lambda: wake_ups._leader is listener, WAKE_S, "the waiting thread leads")
+    return listener, held, thread, outcome
+
+
+@on_postgres
+def test_a_waiting_thread_reads_its_own_grant_then_the_worker_reads_again(pg, other, monkeypatch):
+    wake_ups = pg.wake_ups
+    deliveries: list[tuple[str | None, str]] = []
+    deliver = wake_ups.deliver
+
+    def recording(key, ticket_id=None, grant=None):
+        deliveries.append((ticket_id, threading.current_thread().name))
+        return deliver(key, ticket_id, grant)
+
+    monkeypatch.setattr(wake_ups, "deliver", recording)
+    leader, held, thread, outcome = queued_leader(pg, other, "wake:lead", "first-waiter")
+    try:
+        assert other.release(held.lock_id).ok
+        thread.join(WAKE_S)
+        # Read and delivered by the waiting thread itself: no second thread woken.
+        assert outcome == {"woken": True}
+        assert deliveries == [(leader.ticket_id, "first-waiter")]
+        assert leader.grant is not None
+        assert wake_ups._leader is None
+        # The worker's thread reads again (it takes the connection back within
+        # LEAD_PARK_S): a waiter that does not lead is woken by it.
+        second = WaitTicket.new()
+        follower = wake_ups.listen("wake:lead", second.id)
+        try:
+            assert pg.acquire("wake:lead", TTL, ticket=second).queue_position == 0
+            assert pg.release(leader.grant.lock_id).ok
+            assert follower._event.wait(WAKE_S) is True  # not wait(): it would lead
+            assert deliveries[1] == (second.id, wake_ups._thread.name)
+            assert follower.grant is not None
+        finally:
+            follower.close()
+    finally:
+        leader.close()
+
+
+@on_postgres
+def test_a_listening_connection_lost_under_a_leader_wakes_it_and_comes_back(pg, other):
+    wake_ups = pg.wake_ups
+    listener, held, thread, outcome = queued_leader(pg, other, "wake:lead-lost", "leading")
+    try:
+        failures = wake_ups._failures
+        killed = wake_ups.backend_pid
+        assert query(other, "SELECT pg_terminate_backend(%s)", [killed]) == [(True,)]
+        thread.join(WAKE_S)
+        # The leader met the closed connection; the worker reconnected; the waiter was
+        # woken by the loss (it tries once at once, then polls until healthy again).
+        assert outcome == {"woken": True}
+        assert wake_ups.wait_connected(WAKE_S) is True
+        assert wake_ups._failures == failures + 1
+        assert wake_ups.backend_pid not in (None, killed)
+        assert wake_ups._leader is None
+        assert listener.healthy is False  # registered before the loss
+        assert other.release(held.lock_id).ok
+    finally:
+        listener.close()
+
+
 def _forked_waiter(backend: DatabaseBackend, key: str, ticket: WaitTicket, reports: Any) -> None:
     """In a forked child: subscribe on the inherited wake-ups, report, wait for a wake.
     The parent queued the ticket for us; our attempt keeps its place and rewrites its

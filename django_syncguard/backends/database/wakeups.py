@@ -162,10 +162,14 @@ class PostgresTransport:
     """
 
     confirms_on_listen = False
-    # Waiters do not read the notifications (Leading, waiting/channels.py): measured
-    # side by side (bench/contention.py, 8 processes and 4 x 8 threads, holds of 1 and
-    # 20 ms, two alternations) it gained nothing here, and lost in the threaded cells.
-    let_waiters_read = False
+    # A waiting thread reads the notifications itself (Leading, waiting/channels.py):
+    # psycopg's notifies(timeout=0) never blocks, and a connection may be used by one
+    # thread after another. Measured side by side (bench/contention.py, 8 processes and
+    # 4 x 8 threads, holds of 1 and 20 ms, four alternations): hand-off p50 2.23 ->
+    # 2.07 ms (8 x 20 ms) and 2.59 -> 2.35 ms (4 x 8 threads, 20 ms). Once tried and
+    # left off (specs/backends/database.md, Wake-ups): the grantee's path was longer
+    # then, and the threaded cells lost.
+    let_waiters_read = True
     idle_cap = IDLE_CHANNEL_CAP
     max_channels: int | None = None
     connection_name = "PostgreSQL connection"
