@@ -91,16 +91,12 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("django_syncguard.signals")
 
-# use_caching, as Django's model signals: whether a sender has receivers is then one
-# dict lookup (connect() and disconnect() clear the cache) instead of a lock and a
-# scan of the receivers. Every hold asks it twice (lock_acquired, lock_released), on
-# the hand-off's path: the grantee before its body, the releaser before its release.
-lock_acquired = Signal(use_caching=True)
-lock_released = Signal(use_caching=True)
-lock_extended = Signal(use_caching=True)
-lock_lost = Signal(use_caching=True)
-lock_force_released = Signal(use_caching=True)
-lock_contended = Signal(use_caching=True)
+lock_acquired = Signal()
+lock_released = Signal()
+lock_extended = Signal()
+lock_lost = Signal()
+lock_force_released = Signal()
+lock_contended = Signal()
 
 # Django signals have no name of their own; the log lines need one.
 _NAMES: dict[Signal, str] = {
@@ -145,7 +141,10 @@ def prepare(
     go out as display hashes: receivers log and alert with them.
     """
     sender = type(backend)
-    if not signal.has_listeners(sender):
+    # Nothing connected at all: the common case, told without has_listeners(), which
+    # takes the signal's lock and scans its receivers (every hold asks twice, on the
+    # hand-off's path: the grantee before its body, the releaser before its release).
+    if not signal.receivers or not signal.has_listeners(sender):
         return []
     kwargs: dict[str, Any] = {"alias": backend.alias, "key_hash": display_hash(key)}
     shown = None

@@ -15,6 +15,7 @@ import logging
 import multiprocessing
 import os
 import random
+import select
 import threading
 import time
 import uuid
@@ -445,6 +446,38 @@ def test_a_listening_connection_lost_under_a_leader_wakes_it_and_comes_back(pg, 
         assert other.release(held.lock_id).ok
     finally:
         listener.close()
+
+
+@on_postgres
+def test_a_notification_read_with_a_listen_s_reply_reaches_the_leader(pg, other, monkeypatch):
+    # psycopg keeps aside a notification that arrives before a statement's reply, and
+    # the socket is empty after it. The leader reads only when its socket has data: the
+    # worker, which sent the statement, must hand the notification on.
+    monkeypatch.setattr(channels_module, "LEAD_LOCK_S", 0)  # the leader never waits for
+    # the worker's lock: it goes back to its poll at once, as after a long LISTEN
+    wake_ups = pg.wake_ups
+    leader, held, thread, outcome = queued_leader(pg, other, "wake:backlog-a", "leading")
+    listening = wake_ups._connection
+    subscribe = listening.subscribe
+
+    def release_first(channels):
+        assert other.release(held.lock_id).ok
+        select.select([listening.fileno()], [], [], WAKE_S)  # its NOTIFY came first
+        return subscribe(channels)  # read with LISTEN's reply, and kept aside
+
+    monkeypatch.setattr(listening, "subscribe", release_first)
+    held_b, theirs = other.acquire("wake:backlog-b", TTL), WaitTicket.new()
+    follower = wake_ups.listen("wake:backlog-b", theirs.id)
+    try:
+        # Its first contended attempt makes the worker LISTEN on the key's channel.
+        assert pg.acquire("wake:backlog-b", TTL, ticket=theirs).queue_position == 0
+        thread.join(WAKE_S)
+        assert outcome == {"woken": True}
+        assert leader.grant is not None
+    finally:
+        follower.close()
+        leader.close()
+        other.release(held_b.lock_id)
 
 
 def _forked_waiter(backend: DatabaseBackend, key: str, ticket: WaitTicket, reports: Any) -> None:

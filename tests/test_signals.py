@@ -441,8 +441,15 @@ def test_the_six_signals_exist():
     assert len({id(signal) for signal in ALL.values()}) == 6
 
 
+def test_an_unobserved_hold_does_not_ask_django_for_receivers(mem, monkeypatch):
+    def forbidden(self, sender=None):
+        raise AssertionError("has_listeners() asked while nothing is connected")
+
+    monkeypatch.setattr(Signal, "has_listeners", forbidden)
+    assert lock(lambda: 3, key=KEY, using=mem.backend) == 3
+
+
 def test_a_receiver_connected_after_unobserved_locks_hears_the_next_one(mem):
-    # The signals cache "no receivers" per sender (use_caching): connecting must clear it.
     assert lock(lambda: 1, key=KEY, using=mem.backend) == 1
     with receiving(sg.lock_acquired, sg.lock_released) as received, locked(KEY, using=mem.backend):
         lease = snapshot()

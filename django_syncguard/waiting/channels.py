@@ -862,7 +862,9 @@ class ChannelWorker(WakeUps):
         self._sent = set(batch)  # this thread's: a thread that ended touches it no more
         self._unused_since: float | None = None  # since when nothing is wanted
         with self._io_lock:
-            self._confirm(connection.subscribe(batch) if batch else ())
+            if batch:
+                self._confirm(connection.subscribe(batch))
+                self._handle_backlog(connection)
         with self._cond:
             self._revoked, self._lead_error = False, None  # a leader may read this one
             self._settle_state()
@@ -931,7 +933,17 @@ class ChannelWorker(WakeUps):
             if added:
                 self._sent.update(added)
                 self._confirm(connection.subscribe(added))
+            if dropped or added:
+                self._handle_backlog(connection)
         return next_expiry
+
+    def _handle_backlog(self, connection: Connection) -> None:
+        """After a send (caller holds ``_io_lock``): what the driver read with its reply.
+        psycopg keeps aside a notification that came before a statement's reply, and
+        the socket is then empty: a leader, which reads only when its socket has data,
+        would not see it until its wait ended (nor the worker's thread until its next
+        turn). Where nothing is kept aside, a read that finds nothing."""
+        self._handle(connection.receive())
 
     def _handle(self, events: list[Event]) -> None:
         confirmed = [event.channel for event in events if isinstance(event, Confirmed)]

@@ -124,7 +124,6 @@ class RedisTransport:
                 # First on the connection: confirmed before any key's channel, so
                 # before any ticket that names it is queued.
                 subscriber.listen_own(self.process_channel)
-                subscriber.subscribe([self.process_channel])
             return subscriber
         except BaseException:
             pool.disconnect()
@@ -225,7 +224,8 @@ class _Subscriber:
     def _event(self, reply: Any) -> Event | None:
         if not isinstance(reply, list):
             return None  # PONG, outside subscribed mode
-        if len(reply) == 3 and reply[1] == self._own_raw and reply[0] == b"message":
+        channel = reply[1] if len(reply) == 3 else None
+        if type(channel) is bytes and channel == self._own_raw and reply[0] == b"message":
             # A grant to this process: the hand-off's path, so the payload alone is
             # decoded, as the encoder would (its layers cost the grantee ~20 µs on a
             # thread that slept through the hold). Replies as str (redis-py's own
