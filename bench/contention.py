@@ -1177,12 +1177,16 @@ def serve(name: str, section: Section, durable: bool = True) -> Any:
 
         from tests.support.servers import PostgresServer
 
-        # Durable defaults, as bench/report.py; else the test servers' settings.
-        pg = (PostgresServer(settings=()) if durable else PostgresServer()).start()
+        # Durable defaults, as bench/report.py; else the test servers' settings. Room
+        # for every client's connections at once: 4 processes x 8 threads keep ours,
+        # WAKE_UPS off's and the FIFO floor's open (100 by default).
+        room = ("max_connections=200",)
+        pg = PostgresServer(settings=room if durable else (*PostgresServer.settings, *room))
+        pg.start()
         try:
             version = create_bench_database(pg.port)
             settings = (
-                "default settings (fsync on, synchronous_commit on)"
+                "default settings (fsync on, synchronous_commit on) but max_connections=200"
                 if durable
                 else ", ".join(pg.settings) + " (as the tests run it)"
             )

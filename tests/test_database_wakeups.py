@@ -55,6 +55,7 @@ from django_syncguard.waiting.tickets import QUEUE_AFTER_GRANT_MS
 from tests.support import wakeup_workers
 from tests.support.faults import wait_until
 from tests.support.harness import SqliteHarness
+from tests.support.leading import assert_the_worker_reads_again
 from tests.support.processes import (
     QUIET_WAITER,
     assert_delayed_by_the_grant_window,
@@ -410,18 +411,7 @@ def test_a_waiting_thread_reads_its_own_grant_then_the_worker_reads_again(pg, ot
         assert deliveries == [(leader.ticket_id, "first-waiter")]
         assert leader.grant is not None
         assert wake_ups._leader is None
-        # The worker's thread reads again (it takes the connection back within
-        # LEAD_PARK_S): a waiter that does not lead is woken by it.
-        second = WaitTicket.new()
-        follower = wake_ups.listen("wake:lead", second.id)
-        try:
-            assert pg.acquire("wake:lead", TTL, ticket=second).queue_position == 0
-            assert pg.release(leader.grant.lock_id).ok
-            assert follower._event.wait(WAKE_S) is True  # not wait(): it would lead
-            assert deliveries[1] == (second.id, wake_ups._thread.name)
-            assert follower.grant is not None
-        finally:
-            follower.close()
+        assert_the_worker_reads_again(pg, "wake:lead", leader, deliveries, TTL)
     finally:
         leader.close()
 

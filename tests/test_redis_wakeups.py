@@ -32,6 +32,7 @@ from django_syncguard.waiting.tickets import QUEUE_AFTER_GRANT_MS, RECHECK_MARGI
 from tests.support import redis_wakeup_workers as workers
 from tests.support.faults import wait_until
 from tests.support.harness import RedisHarness
+from tests.support.leading import assert_the_worker_reads_again
 from tests.support.processes import (
     QUIET_WAITER,
     Children,
@@ -847,7 +848,7 @@ def queued_leader(backend: RedisBackend, key: str, name: str) -> tuple:
 
 def test_a_waiting_thread_reads_its_own_grant_then_the_worker_reads_again(rh, deliveries):
     backend = rh.redis
-    wake_ups, second = backend.wake_ups, ticket()
+    wake_ups = backend.wake_ups
     leader, held, thread, outcome = queued_leader(backend, "x:lead", "first-waiter")
     try:
         assert backend.release(held.lock_id).ok
@@ -856,17 +857,7 @@ def test_a_waiting_thread_reads_its_own_grant_then_the_worker_reads_again(rh, de
         assert outcome == {"woken": True}
         assert deliveries == [(leader.ticket_id, "first-waiter")]
         assert wake_ups._leader is None
-        # The worker's thread reads again (it takes the connection back within
-        # LEAD_PARK_S): a waiter that does not lead is woken by it.
-        follower = wake_ups.listen("x:lead", second.id)
-        try:
-            assert backend.acquire("x:lead", TTL, ticket=second).queue_position == 0
-            assert backend.release(leader.grant.lock_id).ok
-            assert follower._event.wait(WAKE_S) is True  # not wait(): it would lead
-            assert deliveries[1] == (second.id, wake_ups._thread.name)
-            assert follower.grant is not None
-        finally:
-            follower.close()
+        assert_the_worker_reads_again(backend, "x:lead", leader, deliveries, TTL)
     finally:
         leader.close()
 
@@ -897,19 +888,27 @@ def test_a_child_forked_while_a_thread_leads_starts_with_no_leader(rh):
     wake_ups = backend.wake_ups
     listener, held, thread, outcome = queued_leader(backend, "fork:lead", "parent-waiter")
     try:
+        # The leader builds its poll once it leads (just after it became the leader).
+        wait_until(lambda: wake_ups._lead_poll is not None, WAKE_S, "the leader's poll")
+        parents = wake_ups._lead_poll
 
         def child() -> list:
-            before = wake_ups._leader
+            # The reset ran at the fork: no leader, and no poll (the child's socket
+            # pair is new); its own lead builds one for its own connection.
+            before = [wake_ups._leader, wake_ups._lead_poll]
             own, holder, waiter, result = queued_leader(backend, "fork:lead-child", "child")
             backend.release(holder.lock_id)
             waiter.join(WAKE_S)
-            return [before is None, result, own.grant is not None]
+            built = wake_ups._lead_poll
+            polls_its_own = built is not None and built.fd == wake_ups._connection.fileno()
+            return [before == [None, None], result, own.grant is not None, polls_its_own]
 
         forked = Forked(child)
         forked.go()
-        assert forked.result() == [True, {"woken": True}, True]
+        assert forked.result() == [True, {"woken": True}, True, True]
         # The parent's leader is untouched by the child.
         assert wake_ups._leader is listener
+        assert wake_ups._lead_poll is parents
         assert backend.release(held.lock_id).ok
         thread.join(WAKE_S)
         assert outcome == {"woken": True}
@@ -1154,33 +1153,3 @@ def test_leaders_wait_on_a_poll_kept_between_leads_and_rebuilt_for_another_descr
     finally:
         spare.close()
         other.close()
-
-
-@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
-def test_a_forked_child_builds_its_own_leaders_poll(rh):
-    backend = rh.redis
-    wake_ups = backend.wake_ups
-    listener, held, thread, outcome = queued_leader(backend, "fork:poll", "parent-waiter")
-    try:
-        # The leader builds its poll once it leads (just after it became the leader).
-        wait_until(lambda: wake_ups._lead_poll is not None, WAKE_S, "the leader's poll")
-        parents = wake_ups._lead_poll
-
-        def child() -> list:
-            before = wake_ups._lead_poll  # the reset ran at the fork
-            _, holder, waiter, result = queued_leader(backend, "fork:poll-child", "child")
-            backend.release(holder.lock_id)
-            waiter.join(WAKE_S)
-            built = wake_ups._lead_poll
-            own = built is not None and built.fd == wake_ups._connection.fileno()
-            return [before is None, result, own]
-
-        forked = Forked(child)
-        forked.go()
-        assert forked.result() == [True, {"woken": True}, True]
-        assert wake_ups._lead_poll is parents
-        assert backend.release(held.lock_id).ok
-        thread.join(WAKE_S)
-        assert outcome == {"woken": True}
-    finally:
-        listener.close()
