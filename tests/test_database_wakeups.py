@@ -55,7 +55,7 @@ from django_syncguard.waiting.tickets import QUEUE_AFTER_GRANT_MS
 from tests.support import wakeup_workers
 from tests.support.faults import wait_until
 from tests.support.harness import SqliteHarness
-from tests.support.leading import assert_the_worker_reads_again
+from tests.support.leading import assert_the_worker_reads_again, record_deliveries
 from tests.support.processes import (
     QUIET_WAITER,
     assert_delayed_by_the_grant_window,
@@ -394,14 +394,7 @@ def queued_leader(backend: DatabaseBackend, other: DatabaseBackend, key: str, na
 @on_postgres
 def test_a_waiting_thread_reads_its_own_grant_then_the_worker_reads_again(pg, other, monkeypatch):
     wake_ups = pg.wake_ups
-    deliveries: list[tuple[str | None, str]] = []
-    deliver = wake_ups.deliver
-
-    def recording(key, ticket_id=None, grant=None):
-        deliveries.append((ticket_id, threading.current_thread().name))
-        return deliver(key, ticket_id, grant)
-
-    monkeypatch.setattr(wake_ups, "deliver", recording)
+    deliveries = record_deliveries(wake_ups, monkeypatch)
     leader, held, thread, outcome = queued_leader(pg, other, "wake:lead", "first-waiter")
     try:
         assert other.release(held.lock_id).ok

@@ -32,7 +32,7 @@ from django_syncguard.waiting.tickets import QUEUE_AFTER_GRANT_MS, RECHECK_MARGI
 from tests.support import redis_wakeup_workers as workers
 from tests.support.faults import wait_until
 from tests.support.harness import RedisHarness
-from tests.support.leading import assert_the_worker_reads_again
+from tests.support.leading import assert_the_worker_reads_again, record_deliveries
 from tests.support.processes import (
     QUIET_WAITER,
     Children,
@@ -811,16 +811,7 @@ def test_a_forked_child_does_not_inherit_the_redis_backends_held_locks(rh):
 @pytest.fixture
 def deliveries(rh, monkeypatch):
     """(ticket, name of the delivering thread) for every wake-up delivered here."""
-    seen: list[tuple[str | None, str]] = []
-    wake_ups = rh.redis.wake_ups
-    original = wake_ups.deliver
-
-    def deliver(key, ticket_id=None, grant=None):
-        seen.append((ticket_id, threading.current_thread().name))
-        return original(key, ticket_id, grant)
-
-    monkeypatch.setattr(wake_ups, "deliver", deliver)
-    return seen
+    return record_deliveries(rh.redis.wake_ups, monkeypatch)
 
 
 def waiting_thread(listener, name: str) -> tuple[threading.Thread, dict]:

@@ -224,8 +224,8 @@ class _Subscriber:
     def _event(self, reply: Any) -> Event | None:
         if not isinstance(reply, list):
             return None  # PONG, outside subscribed mode
-        channel = reply[1] if len(reply) == 3 else None
-        if type(channel) is bytes and channel == self._own_raw and reply[0] == b"message":
+        raw_channel = reply[1] if len(reply) == 3 else None
+        if type(raw_channel) is bytes and raw_channel == self._own_raw and reply[0] == b"message":
             # A grant to this process: the hand-off's path, so the payload alone is
             # decoded, as the encoder would (its layers cost the grantee ~20 µs on a
             # thread that slept through the hold). Replies as str (redis-py's own
