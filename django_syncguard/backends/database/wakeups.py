@@ -163,7 +163,7 @@ class PostgresTransport:
 
     confirms_on_listen = False
     # A waiting thread reads the notifications itself (Leading, waiting/channels.py):
-    # psycopg's notifies(timeout=0) never blocks, and a connection may be used by one
+    # the read never blocks (_Listening.receive), and a connection may be used by one
     # thread after another. Measured side by side (bench/contention.py, 8 processes and
     # 4 x 8 threads, holds of 1 and 20 ms, four alternations): hand-off p50 2.23 ->
     # 2.07 ms (8 x 20 ms) and 2.59 -> 2.35 ms (4 x 8 threads, 20 ms). Once tried and
@@ -232,13 +232,29 @@ class PostgresTransport:
 
 
 class _Listening:
-    """The listening connection (a :class:`~django_syncguard.waiting.channels.Connection`)."""
+    """The listening connection (a :class:`~django_syncguard.waiting.channels.Connection`).
+
+    Notifications are read from libpq itself (``consume_input``, then ``notifies``
+    until none is left), not through psycopg's ``notifies(timeout=0)``: that generator
+    polls the socket twice and ends by raising and catching its timeout, about 50 µs
+    of a thread that slept through a lock's hold, on the hand-off's path
+    (``bench/handoff_steps.py --backend postgres``). Only the worker's thread and a
+    leader touch this connection, one at a time under its I/O lock. A notification
+    that psycopg reads with a statement's reply (a ``LISTEN`` the worker sent) reaches
+    :meth:`_set_aside` instead, and the next :meth:`receive` returns it first."""
 
     def __init__(self, wrapper: BaseDatabaseWrapper, raw: Any, own_channel: str = "") -> None:
         self.wrapper = wrapper
         self.raw = raw
         self.pid: int = raw.info.backend_pid
         self.own_channel = own_channel  # the process's grant channel
+        self._pgconn = raw.pgconn
+        self._encoding: str = raw.info.encoding
+        self._aside: list[tuple[str, str]] = []
+        raw.add_notify_handler(self._set_aside)
+
+    def _set_aside(self, notify: Any) -> None:
+        self._aside.append((notify.channel, notify.payload))
 
     def fileno(self) -> int:
         return int(self.raw.fileno())
@@ -252,14 +268,15 @@ class _Listening:
 
     def receive(self) -> list[Event]:
         events: list[Event] = []
+        if self._aside:
+            aside, self._aside = self._aside, []
+            for channel, payload in aside:
+                self._add(events, channel, payload)
+        pgconn, encoding = self._pgconn, self._encoding
         try:
-            for notify in self.raw.notifies(timeout=0):
-                if notify.channel == self.own_channel:
-                    message = _own_message(notify.payload)
-                    if message is not None:
-                        events.append(message)
-                elif notify.payload:
-                    events.append(_message(notify.channel, notify.payload))
+            pgconn.consume_input()  # never blocks: libpq's socket is non-blocking
+            while (notify := pgconn.notifies()) is not None:
+                self._add(events, notify.relname.decode(encoding), notify.extra.decode(encoding))
         except Exception:
             if not events:
                 raise
@@ -267,6 +284,14 @@ class _Listening:
         if not events and (self.raw.closed or self.raw.broken):
             raise ConnectionError("the listening connection is closed")
         return events
+
+    def _add(self, events: list[Event], channel: str, payload: str) -> None:
+        if channel == self.own_channel:
+            message = _own_message(payload)
+            if message is not None:
+                events.append(message)
+        elif payload:
+            events.append(_message(channel, payload))
 
     def check(self) -> float:
         return LOOP_S
