@@ -66,11 +66,12 @@ class Queue:
         self.tickets.append(self.queued())
 
 
-def release_durations(client: Any) -> list[tuple[str, int]]:
-    """The release script's calls in the server's slow log: (its index key, µs)."""
+def release_durations(client: Any, script: str | None = None) -> list[tuple[str, int]]:
+    """The calls of ``script`` (default: the release script) in the server's slow
+    log: (its first key, µs)."""
     from django_syncguard.backends.redis.scripts import RELEASE
 
-    digest = hashlib.sha1(RELEASE.encode()).hexdigest().encode()
+    digest = hashlib.sha1((script or RELEASE).encode()).hexdigest().encode()
     return [
         (words[3].decode(), entry["duration"])
         for entry in client.slowlog_get(10_000_000)

@@ -322,7 +322,9 @@ def main() -> None:
         client.config_set("slowlog-log-slower-than", 0)
         ours = steps(run("ours", url, args), OURS)
         script = [duration for _, duration in release_durations(client)]
+        client.slowlog_reset()
         floor = steps(run("fifo", url, args), FLOOR)
+        floor_script = [d for _, d in release_durations(client, _floor_release())]
         client.close()
     finally:
         server.stop()
@@ -336,7 +338,16 @@ def main() -> None:
         print(f"| {name} | {p50_us(values)} | {p50_us(floor.get(name, []))} |")
     print(f"| send → popped (floor) | | {p50_us(floor['send → popped'])} |")
     print(f"| popped → body (floor) | | {p50_us(floor['popped → body'])} |")
-    print(f"\nThe release script on the server (SLOWLOG), syncguard: p50 {p50_us(script, 1)} µs.")
+    print(
+        f"\nThe release script on the server (SLOWLOG), p50: syncguard {p50_us(script, 1)} µs, "
+        f"FIFO floor {p50_us(floor_script, 1)} µs."
+    )
+
+
+def _floor_release() -> str:
+    from bench.contention import FifoFloor
+
+    return FifoFloor.RELEASE
 
 
 def postgres_main(args: argparse.Namespace) -> None:
