@@ -28,9 +28,9 @@ next body entered, in another process) the report gives the p50 of each step:
 | granted → body | | the grantee's body starts |
 
 For the floor: exit → release, release → send, send → ``BLPOP`` returned, → body.
-The wrappers add a few microseconds to each step; both runs pay them alike. The
+The wrappers add a few microseconds to each step; both runs pay them alike. Each
 release script's own time on the server (``SLOWLOG``, every call logged) is given
-too. The stamps say where the time goes; ``bench/contention.py`` says how long a
+too, ours and the floor's. The stamps say where the time goes; ``bench/contention.py`` says how long a
 hand-off takes.
 
 ``--backend postgres``: the same for the database backend on a throw-away PostgreSQL
