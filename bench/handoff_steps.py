@@ -1,7 +1,7 @@
 """Where a Redis hand-off's time goes, step by step, next to the FIFO floor (issue 24).
 
     .venv/bin/python bench/handoff_steps.py [--hold-ms 20] [--seconds 6] [--processes 8]
-        [--backend redis|postgres]
+        [--backend redis|postgres] [--statements]
 
 Starts a throw-away ``redis-server`` on a free loopback port, then, one after the
 other, two runs of ``--processes`` spawned processes looping on one hot key with a
@@ -14,7 +14,8 @@ other, two runs of ``--processes`` spawned processes looping on one hot key with
 Each process stamps ``time.monotonic_ns()`` (one clock for every process on a host)
 at points of the path, by wrapping the functions named below in its own copy of the
 package. For every hand-off (a body left while another process's call waits, to the
-next body entered, in another process) the report gives the p50 of each step:
+next body entered, in another process) the report gives the p50, p90 and p99 of each
+step:
 
 | step | from | to |
 |---|---|---|
@@ -30,12 +31,12 @@ next body entered, in another process) the report gives the p50 of each step:
 For the floor: exit → release, release → send, send → ``BLPOP`` returned, → body.
 The wrappers add a few microseconds to each step; both runs pay them alike. Each
 release script's own time on the server (``SLOWLOG``, every call logged) is given
-too, ours and the floor's. The stamps say where the time goes; ``bench/contention.py`` says how long a
-hand-off takes.
+too, ours and the floor's. The stamps say where the time goes; ``bench/contention.py``
+says how long a hand-off takes.
 
 ``--backend postgres``: the same for the database backend on a throw-away PostgreSQL
 with its durable defaults (one run, ours only; the wake-up is a ``NOTIFY`` that the
-channel worker's thread reads and hands to the waiting thread):
+waiting thread reads itself, as on Redis):
 
 | step | from | to |
 |---|---|---|
@@ -51,7 +52,9 @@ channel worker's thread reads and hands to the waiting thread):
 and the release statement's round trip as its caller sees it (send to reply). Only the
 hand-offs that went the whole way are counted (the number is printed): on PostgreSQL a
 release that finds an acquire holding the key's advisory lock only wakes the waiter,
-and that acquire grants instead.
+and that acquire grants instead. ``--statements`` loads ``pg_stat_statements`` with
+``track = all`` and prints the server's time per statement, those inside the PL/pgSQL
+functions too (the tracking itself adds to every time measured in that run).
 """
 
 from __future__ import annotations
@@ -61,7 +64,6 @@ import bisect
 import itertools
 import multiprocessing
 import os
-import statistics
 import sys
 import threading
 import time
@@ -298,8 +300,15 @@ def run(kind: str, url: str, args: argparse.Namespace) -> dict[int, Stamps]:
     return runs
 
 
-def p50_us(values: list[int], scale: float = 1000) -> str:
-    return f"{statistics.median(values) / scale:,.0f}" if values else "-"
+def spread_us(values: list[int], scale: float = 1000) -> str:
+    """``p50 / p90 / p99`` of ``values`` (ns, or µs with ``scale=1``) in µs."""
+    if not values:
+        return "-"
+    ordered = sorted(values)
+    return " / ".join(
+        f"{ordered[min(int(len(ordered) * q), len(ordered) - 1)] / scale:,.0f}"
+        for q in (0.5, 0.9, 0.99)
+    )
 
 
 def main() -> None:
@@ -308,6 +317,11 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=6)
     parser.add_argument("--processes", type=int, default=8)
     parser.add_argument("--backend", choices=("redis", "postgres"), default="redis")
+    parser.add_argument(
+        "--statements",
+        action="store_true",
+        help="postgres: also the server's time per statement (pg_stat_statements)",
+    )
     args = parser.parse_args()
     if args.backend == "postgres":
         postgres_main(args)
@@ -330,18 +344,16 @@ def main() -> None:
         server.stop()
     print(
         f"# Hand-off steps: {args.processes} processes x {args.hold_ms:g} ms holds, "
-        f"{args.seconds:g} s each, p50 in µs\n"
+        f"{args.seconds:g} s each, p50 / p90 / p99 in µs\n"
     )
     print(f"syncguard: {len(ours['hand-off'])} hand-offs; FIFO floor: {len(floor['hand-off'])}\n")
     print("| step | syncguard | FIFO floor |\n|---|--:|--:|")
     for name, values in ours.items():
-        print(f"| {name} | {p50_us(values)} | {p50_us(floor.get(name, []))} |")
-    print(f"| send → popped (floor) | | {p50_us(floor['send → popped'])} |")
-    print(f"| popped → body (floor) | | {p50_us(floor['popped → body'])} |")
-    print(
-        f"\nThe release script on the server (SLOWLOG), p50: syncguard {p50_us(script, 1)} µs, "
-        f"FIFO floor {p50_us(floor_script, 1)} µs."
-    )
+        print(f"| {name} | {spread_us(values)} | {spread_us(floor.get(name, []))} |")
+    print(f"| send → popped (floor) | | {spread_us(floor['send → popped'])} |")
+    print(f"| popped → body (floor) | | {spread_us(floor['popped → body'])} |")
+    scripts = f"{spread_us(script, 1)} | {spread_us(floor_script, 1)}"
+    print(f"| the release script on the server (SLOWLOG) | {scripts} |")
 
 
 def _floor_release() -> str:
@@ -354,14 +366,22 @@ def postgres_main(args: argparse.Namespace) -> None:
     from bench.common import configure_django, create_bench_database, postgres_database
     from tests.support.servers import PostgresServer
 
-    server = PostgresServer(settings=()).start()  # durable defaults, as bench/contention.py
+    # Durable defaults, as bench/contention.py; --statements adds pg_stat_statements.
+    settings = STATEMENTS_SETTINGS if args.statements else ()
+    server = PostgresServer(settings=settings).start()
+    statements: list[tuple[Any, ...]] = []
     try:
         version = create_bench_database(server.port)
         configure_django({"default": postgres_database(server.port, name="bench")})
         from django.core.management import call_command
 
         call_command("migrate", "django_syncguard", verbosity=0)
+        if args.statements:
+            _statements(server.port, "CREATE EXTENSION pg_stat_statements")
+            _statements(server.port, "SELECT pg_stat_statements_reset()")
         runs = run("postgres", str(server.port), args)
+        if args.statements:
+            statements = _statements(server.port, STATEMENTS_QUERY)
     finally:
         server.destroy()
     ours = steps(runs, POSTGRES)
@@ -376,15 +396,42 @@ def postgres_main(args: argparse.Namespace) -> None:
                 sent = None
     print(
         f"# Hand-off steps on PostgreSQL {version} (fsync on): {args.processes} processes x "
-        f"{args.hold_ms:g} ms holds, {args.seconds:g} s, p50 in µs\n"
+        f"{args.hold_ms:g} ms holds, {args.seconds:g} s, p50 / p90 / p99 in µs\n"
     )
     print(f"{len(ours['hand-off'])} hand-offs\n\n| step | syncguard |\n|---|--:|")
     for name, values in ours.items():
-        print(f"| {name} | {p50_us(values)} |")
-    print(
-        "\nThe release statement's round trip (send to reply), every release: "
-        f"p50 {p50_us(trips)} µs."
-    )
+        print(f"| {name} | {spread_us(values)} |")
+    print(f"| the release statement's round trip, every release | {spread_us(trips)} |")
+    if statements:
+        print(
+            "\nStatements by total time (pg_stat_statements, track = all: the statements"
+            " inside the functions too; tracking them adds to the times above)\n\n"
+            "| calls | mean µs | total ms | top level | statement |\n|--:|--:|--:|---|---|"
+        )
+        for calls, mean_us, total_ms, top, text in statements:
+            print(f"| {calls} | {mean_us:,.0f} | {total_ms:,.0f} | {top} | `{text}` |")
+
+
+#: pg_stat_statements, counting the statements that PL/pgSQL runs as well.
+STATEMENTS_SETTINGS = (
+    "shared_preload_libraries=pg_stat_statements",
+    "pg_stat_statements.track=all",
+)
+STATEMENTS_QUERY = """
+SELECT calls, mean_exec_time * 1000, total_exec_time, toplevel,
+       left(regexp_replace(query, '\\s+', ' ', 'g'), 100)
+FROM pg_stat_statements WHERE calls >= 50 ORDER BY total_exec_time DESC LIMIT 20
+"""
+
+
+def _statements(port: int, sql: str) -> list[tuple[Any, ...]]:
+    import psycopg
+
+    with psycopg.connect(
+        host="127.0.0.1", port=port, user="postgres", dbname="bench", autocommit=True
+    ) as admin:
+        cursor = admin.execute(sql)
+        return cursor.fetchall() if cursor.description else []
 
 
 if __name__ == "__main__":
