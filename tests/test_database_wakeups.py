@@ -463,6 +463,31 @@ def test_a_notification_read_with_a_listen_s_reply_reaches_the_leader(pg, other,
         other.release(held_b.lock_id)
 
 
+@on_postgres
+def test_a_notification_read_with_the_first_listen_s_reply_is_received(pg, other, monkeypatch):
+    # The listening connection's first LISTEN (its process's channel) may come back
+    # with a notification psycopg read before the reply: the connection's notify
+    # handler must be registered by then, or psycopg keeps it where no read looks.
+    transport = pg.wake_ups.transport
+    extra = f"syncguard_{uuid.uuid4().hex}"  # as a key's channel
+    execute = wakeups_module._execute
+
+    def notified_first(raw: Any, sql: str) -> None:
+        if sql == f"LISTEN {wakeups_module._quoted(transport.process_channel)}":
+            execute(raw, f"LISTEN {wakeups_module._quoted(extra)}")
+            other.ops.run(lambda c: c.execute("SELECT pg_notify(%s, 'marker')", [extra]))
+            select.select([raw.fileno()], [], [], WAKE_S)  # it arrived before the LISTEN
+        execute(raw, sql)
+
+    monkeypatch.setattr(wakeups_module, "_execute", notified_first)
+    listening = transport.connect(lambda: None)
+    try:
+        assert listening.receive() == [Message(extra, "marker")]
+        assert listening.receive() == []
+    finally:
+        listening.close()
+
+
 def _forked_waiter(backend: DatabaseBackend, key: str, ticket: WaitTicket, reports: Any) -> None:
     """In a forked child: subscribe on the inherited wake-ups, report, wait for a wake.
     The parent queued the ticket for us; our attempt keeps its place and rewrites its

@@ -40,6 +40,7 @@ this process only, and never counts as reaching the others, so every waiter poll
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import re
@@ -214,14 +215,16 @@ class PostgresTransport:
             if not self._probed:
                 self._probe(raw)
                 self._probed = True
+            # The notify handler before the first LISTEN (after the probe, which waits
+            # with notifies()): what psycopg reads with that statement's reply reaches it.
+            listening = _Listening(wrapper, raw, self.process_channel)
             # First on the connection: LISTENed before any key's channel, so before the
             # confirmation that lets a waiter count on a grant reaching it.
-            own = self.process_channel
-            _execute(raw, f"LISTEN {_quoted(own)}")
+            _execute(raw, f"LISTEN {_quoted(listening.own_channel)}")
         except BaseException:
             close_quietly(wrapper)
             raise
-        return _Listening(wrapper, raw, own)
+        return listening
 
     def _probe(self, raw: Any) -> None:
         """Raise :class:`Deaf` unless a notification sent through a normal connection
@@ -297,6 +300,8 @@ class _Listening:
         return LOOP_S
 
     def close(self) -> None:
+        with contextlib.suppress(ValueError):  # the handler refers to this object
+            self.raw.remove_notify_handler(self._set_aside)
         close_quietly(self.wrapper)
 
 
