@@ -66,6 +66,14 @@ class Queue:
         self.tickets.append(self.queued())
 
 
+def log_every_call(client: Any, max_len: int = 10_000_000) -> None:
+    """Have the server log every command in its ``SLOWLOG`` (emptied first), with its
+    own time spent in it: read back by :func:`release_durations`."""
+    client.config_set("slowlog-max-len", max_len)
+    client.config_set("slowlog-log-slower-than", 0)
+    client.slowlog_reset()
+
+
 def release_durations(client: Any, script: str | None = None) -> list[tuple[str, int]]:
     """The calls of ``script`` (default: the release script) in the server's slow
     log: (its first key, µs)."""
@@ -105,9 +113,7 @@ def main() -> None:
             for way, queue in queues.items():  # untimed: the scripts get loaded
                 queue.cycle(full_read=way == "full read")
             client = backends["hinted"].client
-            client.config_set("slowlog-max-len", 10_000_000)
-            client.config_set("slowlog-log-slower-than", 0)
-            client.slowlog_reset()
+            log_every_call(client)
             for _ in range(args.cycles):
                 for way, queue in queues.items():
                     queue.cycle(full_read=way == "full read")

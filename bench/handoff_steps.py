@@ -75,7 +75,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.grant_scaling import release_durations  # noqa: E402
+from bench.grant_scaling import log_every_call, release_durations  # noqa: E402
 from tests.support.servers import RedisServer  # noqa: E402
 
 OURS = ("exit", "release", "send", "read", "parsed", "delivered", "returned", "granted", "body")
@@ -332,8 +332,7 @@ def main() -> None:
     try:
         url = f"redis://127.0.0.1:{server.port}/0"
         client = redis.Redis.from_url(url)
-        client.config_set("slowlog-max-len", 1_000_000)
-        client.config_set("slowlog-log-slower-than", 0)
+        log_every_call(client)
         ours = steps(run("ours", url, args), OURS)
         script = [duration for _, duration in release_durations(client)]
         client.slowlog_reset()

@@ -26,6 +26,8 @@ import hashlib
 import statistics
 import sys
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench.grant_scaling import log_every_call  # noqa: E402
 from tests.support.servers import RedisServer  # noqa: E402
 
 RECORD = (
@@ -90,50 +93,56 @@ def durations(client: Any, digest: bytes) -> list[int]:
     ]
 
 
+def timed(
+    client: Any, calls: dict[str, tuple[Callable[[], Any], bytes]], gaps: list[float], rounds: int
+) -> dict[tuple[str, float], float]:
+    """The server's p50 time in the script of each of ``calls`` (name: (the call, the
+    script's digest)), each call made after a pause of each of ``gaps`` ms."""
+    found: dict[tuple[str, float], list[int]] = {}
+    for gap in gaps:
+        for _ in range(rounds):
+            for name, (call, digest) in calls.items():
+                client.slowlog_reset()
+                if gap:
+                    time.sleep(gap / 1000)
+                call()
+                found.setdefault((name, gap), []).extend(durations(client, digest))
+    return {cell: statistics.median(values) for cell, values in found.items()}
+
+
 def small_scripts(client: Any, gaps: list[float], rounds: int) -> dict[tuple[str, float], float]:
     client.set("x", "y")
     client.hset("h", mapping={"a": 1, "b": 2, "c": 3, "w:1": "5 99", "t:1": RECORD})
     shas = {name: client.script_load(text) for name, text in SMALL.items()}
-    found: dict[tuple[str, float], list[int]] = {}
-    for gap in gaps:
-        for _ in range(rounds):
-            for name, sha in shas.items():
-                client.slowlog_reset()
-                if gap:
-                    time.sleep(gap / 1000)
-                client.evalsha(sha, 1, "x")
-                found.setdefault((name, gap), []).extend(durations(client, sha.encode()))
-    return {cell: statistics.median(values) for cell, values in found.items()}
+    calls = {
+        name: (partial(client.evalsha, sha, 1, "x"), sha.encode()) for name, sha in shas.items()
+    }
+    return timed(client, calls, gaps, rounds)
 
 
 def releases(url: str, gaps: list[float], rounds: int) -> dict[tuple[str, float], float]:
     from bench.grant_scaling import Queue
     from django_syncguard.backends.redis import RedisBackend, scripts
 
-    queues, digests = {}, {}
+    calls: dict[str, tuple[Callable[[], Any], bytes]] = {}
+    queues = []
     original = scripts.SCRIPTS["release"]
     try:
         for i, (name, text) in enumerate(release_variants().items()):
             scripts.SCRIPTS["release"] = text  # read when the backend registers its scripts
             backend = RedisBackend(f"v{i}", {"LOCATION": url, "KEY_PREFIX": f"v{i}"})
-            queues[name] = Queue(backend, "hot", 1)
-            queues[name].cycle(full_read=False)  # untimed: the scripts get loaded
-            digests[name] = hashlib.sha1(text.encode()).hexdigest().encode()
+            queue = Queue(backend, "hot", 1)
+            queue.cycle(full_read=False)  # untimed: the scripts get loaded
+            queues.append(queue)
+            digest = hashlib.sha1(text.encode()).hexdigest().encode()
+            calls[name] = (partial(queue.cycle, full_read=False), digest)
     finally:
         scripts.SCRIPTS["release"] = original
-    client = next(iter(queues.values())).backend.client
-    found: dict[tuple[str, float], list[int]] = {}
-    for gap in gaps:
-        for _ in range(rounds):
-            for name, queue in queues.items():
-                client.slowlog_reset()
-                if gap:
-                    time.sleep(gap / 1000)
-                queue.cycle(full_read=False)
-                found.setdefault((name, gap), []).extend(durations(client, digests[name]))
-    for queue in queues.values():
-        queue.backend.close()
-    return {cell: statistics.median(values) for cell, values in found.items()}
+    try:
+        return timed(queues[0].backend.client, calls, gaps, rounds)
+    finally:
+        for queue in queues:
+            queue.backend.close()
 
 
 def table(title: str, cells: dict[tuple[str, float], float], gaps: list[float]) -> None:
@@ -159,8 +168,7 @@ def main() -> None:
     try:
         url = f"redis://127.0.0.1:{server.port}/0"
         client = redis.Redis.from_url(url)
-        client.config_set("slowlog-max-len", 100_000)
-        client.config_set("slowlog-log-slower-than", 0)
+        log_every_call(client, 100_000)
         small = small_scripts(client, gaps, args.rounds)
         release = releases(url, gaps, args.rounds)
         client.close()
