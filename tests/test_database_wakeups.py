@@ -807,7 +807,13 @@ def test_a_grant_wakes_only_the_grantee_s_process(pg, other):
         assert theirs.wait(WAKE_S, None) is True
         assert theirs.grant is not None and theirs.grant.fence == 3
         assert [(m.ticket_id, m.grant) for m in second_heard] == [(second.id, theirs.grant)]
-        assert first_heard == [Message(lock_channel, "marker")]  # nothing more here
+        # This process's thread may not have read the first marker yet (its waiter
+        # left, and nothing made the thread read since): once a second marker, sent
+        # after that release, is heard here, whatever the release sent here has been.
+        after = Message(lock_channel, "after")
+        other.ops.run(lambda c: c.execute("SELECT pg_notify(%s, 'after')", [lock_channel]))
+        wait_until(lambda: after in first_heard, WAKE_S, "the second marker is heard")
+        assert first_heard == [marker, after]  # nothing more here
         got = other.acquire(key, TTL, ticket=second)
         assert other.release(got.lock_id).ok
         theirs.close()
