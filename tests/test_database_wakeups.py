@@ -476,7 +476,8 @@ def test_a_notification_read_with_the_first_listen_s_reply_is_received(pg, other
         if sql == f"LISTEN {wakeups_module._quoted(transport.process_channel)}":
             execute(raw, f"LISTEN {wakeups_module._quoted(extra)}")
             other.ops.run(lambda c: c.execute("SELECT pg_notify(%s, 'marker')", [extra]))
-            select.select([raw.fileno()], [], [], WAKE_S)  # it arrived before the LISTEN
+            # It arrived before the LISTEN is sent (else the case is not replayed).
+            assert select.select([raw.fileno()], [], [], WAKE_S)[0]
         execute(raw, sql)
 
     monkeypatch.setattr(wakeups_module, "_execute", notified_first)

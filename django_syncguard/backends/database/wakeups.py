@@ -239,8 +239,8 @@ class _Listening:
 
     Notifications are read from libpq itself (``consume_input``, then ``notifies``
     until none is left), not through psycopg's ``notifies(timeout=0)``: that generator
-    polls the socket twice and ends by raising and catching its timeout, about 50 µs
-    of a thread that slept through a lock's hold, on the hand-off's path
+    polls the socket twice and ends by raising and catching its timeout, about 33 µs
+    more of a thread that slept through a lock's hold, on the hand-off's path
     (``bench/handoff_steps.py --backend postgres``). Only the worker's thread and a
     leader touch this connection, one at a time under its I/O lock. A notification
     that psycopg reads with a statement's reply (a ``LISTEN`` the worker sent) reaches
