@@ -75,6 +75,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench.common import percentile_us  # noqa: E402
 from bench.grant_scaling import log_every_call, release_durations  # noqa: E402
 from tests.support.servers import RedisServer  # noqa: E402
 
@@ -300,15 +301,11 @@ def run(kind: str, url: str, args: argparse.Namespace) -> dict[int, Stamps]:
     return runs
 
 
-def spread_us(values: list[int], scale: float = 1000) -> str:
-    """``p50 / p90 / p99`` of ``values`` (ns, or µs with ``scale=1``) in µs."""
+def spread_us(values: list[int]) -> str:
+    """``p50 / p90 / p99`` of ``values`` (ns) in µs."""
     if not values:
         return "-"
-    ordered = sorted(values)
-    return " / ".join(
-        f"{ordered[min(int(len(ordered) * q), len(ordered) - 1)] / scale:,.0f}"
-        for q in (0.5, 0.9, 0.99)
-    )
+    return " / ".join(f"{percentile_us(values, q):,.0f}" for q in (50, 90, 99))
 
 
 def main() -> None:
@@ -334,10 +331,10 @@ def main() -> None:
         client = redis.Redis.from_url(url)
         log_every_call(client)
         ours = steps(run("ours", url, args), OURS)
-        script = [duration for _, duration in release_durations(client)]
+        script = [duration * 1000 for _, duration in release_durations(client)]  # ns
         client.slowlog_reset()
         floor = steps(run("fifo", url, args), FLOOR)
-        floor_script = [d for _, d in release_durations(client, _floor_release())]
+        floor_script = [d * 1000 for _, d in release_durations(client, _floor_release())]
         client.close()
     finally:
         server.stop()
@@ -351,7 +348,7 @@ def main() -> None:
         print(f"| {name} | {spread_us(values)} | {spread_us(floor.get(name, []))} |")
     print(f"| send → popped (floor) | | {spread_us(floor['send → popped'])} |")
     print(f"| popped → body (floor) | | {spread_us(floor['popped → body'])} |")
-    scripts = f"{spread_us(script, 1)} | {spread_us(floor_script, 1)}"
+    scripts = f"{spread_us(script)} | {spread_us(floor_script)}"
     print(f"| the release script on the server (SLOWLOG) | {scripts} |")
 
 

@@ -22,7 +22,6 @@ its ``SLOWLOG``; the times below are the server's own, in µs (p50). Two tables:
 from __future__ import annotations
 
 import argparse
-import hashlib
 import statistics
 import sys
 import time
@@ -35,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.grant_scaling import log_every_call  # noqa: E402
+from bench.grant_scaling import log_every_call, release_durations  # noqa: E402
 from tests.support.servers import RedisServer  # noqa: E402
 
 RECORD = (
@@ -83,37 +82,31 @@ def release_variants() -> dict[str, str]:
     return variants
 
 
-def durations(client: Any, digest: bytes) -> list[int]:
-    return [
-        entry["duration"]
-        for entry in client.slowlog_get(1000)
-        if entry["command"].split()[:2] == [b"EVALSHA", digest]
-    ]
-
-
 def timed(
-    client: Any, calls: dict[str, tuple[Callable[[], Any], bytes]], gaps: list[float], rounds: int
+    client: Any, calls: dict[str, tuple[Callable[[], Any], str]], gaps: list[float], rounds: int
 ) -> dict[tuple[str, float], float]:
     """The server's p50 time in the script of each of ``calls`` (name: (the call, the
-    script's digest)), each call made after a pause of each of ``gaps`` ms."""
+    script's text)), each call made after a pause of each of ``gaps`` ms."""
     found: dict[tuple[str, float], list[int]] = {}
     for gap in gaps:
         for _ in range(rounds):
-            for name, (call, digest) in calls.items():
+            for name, (call, script) in calls.items():
                 client.slowlog_reset()
                 if gap:
                     time.sleep(gap / 1000)
                 call()
-                found.setdefault((name, gap), []).extend(durations(client, digest))
+                found.setdefault((name, gap), []).extend(
+                    duration for _, duration in release_durations(client, script)
+                )
     return {cell: statistics.median(values) for cell, values in found.items()}
 
 
 def small_scripts(client: Any, gaps: list[float], rounds: int) -> dict[tuple[str, float], float]:
     client.set("x", "y")
     client.hset("h", mapping={"a": 1, "b": 2, "c": 3, "w:1": "5 99", "t:1": RECORD})
-    shas = {name: client.script_load(text) for name, text in SMALL.items()}
     calls = {
-        name: (partial(client.evalsha, sha, 1, "x"), sha.encode()) for name, sha in shas.items()
+        name: (partial(client.evalsha, client.script_load(text), 1, "x"), text)
+        for name, text in SMALL.items()
     }
     return timed(client, calls, gaps, rounds)
 
@@ -122,7 +115,7 @@ def releases(url: str, gaps: list[float], rounds: int) -> dict[tuple[str, float]
     from bench.grant_scaling import Queue
     from django_syncguard.backends.redis import RedisBackend, scripts
 
-    calls: dict[str, tuple[Callable[[], Any], bytes]] = {}
+    calls: dict[str, tuple[Callable[[], Any], str]] = {}
     queues = []
     original = scripts.SCRIPTS["release"]
     try:
@@ -132,8 +125,7 @@ def releases(url: str, gaps: list[float], rounds: int) -> dict[tuple[str, float]
             queue = Queue(backend, "hot", 1)
             queue.cycle(full_read=False)  # untimed: the scripts get loaded
             queues.append(queue)
-            digest = hashlib.sha1(text.encode()).hexdigest().encode()
-            calls[name] = (partial(queue.cycle, full_read=False), digest)
+            calls[name] = (partial(queue.cycle, full_read=False), text)
     finally:
         scripts.SCRIPTS["release"] = original
     try:
