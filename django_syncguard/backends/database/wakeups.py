@@ -280,12 +280,10 @@ class _Listening:
             pgconn.consume_input()  # never blocks: libpq's socket is non-blocking
             while (notify := pgconn.notifies()) is not None:
                 self._add(events, notify.relname.decode(encoding), notify.extra.decode(encoding))
-        except Exception:
+        except Exception:  # libpq on a connection closed or broken: OperationalError
             if not events:
                 raise
-        # What arrived before a close is delivered first; the close, next time.
-        if not events and (self.raw.closed or self.raw.broken):
-            raise ConnectionError("the listening connection is closed")
+            # What arrived before the close is delivered first; the close, next time.
         return events
 
     def _add(self, events: list[Event], channel: str, payload: str) -> None:
