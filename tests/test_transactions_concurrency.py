@@ -17,7 +17,6 @@ from __future__ import annotations
 import copy
 import queue
 import sys
-import traceback
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -329,11 +328,6 @@ def failed_requests() -> Iterator[list[BaseException]]:
     got_request_exception.disconnect(receiver)
 
 
-def raised_by_the_view_s_write(exc: BaseException) -> bool:
-    frames = [(frame.name, frame.line) for frame in traceback.extract_tb(exc.__traceback__)]
-    return ("deposit", "accounts.filter(pk=pk).update(balance=seen + 1)") in frames
-
-
 @per_site
 def test_concurrent_requests_under_atomic_requests_each_apply_their_increment(
     atomic_requests, live_server, failed_requests
@@ -354,16 +348,12 @@ def test_concurrent_requests_under_atomic_requests_each_apply_their_increment(
     assert fences == sorted(set(fences))
     assert Account.objects.using(database).get(pk=pk).balance == total
     assert Ledger.objects.using(database).count() == total  # written after each view
-    # The requests that failed (and were sent again) failed for one reason: SQLite
-    # refuses at once a transaction that has read and then writes while another
-    # connection holds the write lock, here a request that took the lock as it came
-    # free. The lock is held for the whole read and write, so this cannot lose an
-    # update; the request is rolled back, its lock released, and it is sent again.
-    assert len(failed_requests) == sum(failed for _, failed in per_process)
-    for exc in failed_requests:
-        assert database == "default"
-        assert repr(exc) == "OperationalError('database is locked')"
-        assert raised_by_the_view_s_write(exc)
+    # No request failed. On SQLite one could: SQLite refuses at once a transaction
+    # that has read and then writes while another connection holds the write lock,
+    # and until decision 58 a request that read the key as free just before another
+    # took it held that lock for a moment (0 to 2 of these 40 requests failed).
+    assert [repr(exc) for exc in failed_requests] == []
+    assert [failed for _, failed in per_process] == [0] * PROCESSES
 
 
 @per_site

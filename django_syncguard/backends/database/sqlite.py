@@ -1,11 +1,12 @@
 """SQLite: the embedded database for development; time is this machine's clock.
 
 Every process of an SQLite database runs on one machine, so they share that clock.
-Writers are serialised by SQLite's database lock, which ``BEGIN IMMEDIATE`` takes up
-front for the multi-statement acquire (never to find the key held: a live lock is
-answered from a read); release and extend are single ``DELETE`` /
-``UPDATE ... RETURNING`` statements (SQLite 3.35 or newer). See
-``specs/backends/database.md``, Operations on SQLite.
+Writers are serialised by SQLite's database lock. A live lock is answered from a read;
+otherwise the multi-statement acquire decides under the queue file's write lock and
+takes the database's only to write (``SqliteOperations._decide``: a key taken
+meanwhile never meets a write lock of ours while its holder writes). Release and
+extend are single ``DELETE`` / ``UPDATE ... RETURNING`` statements (SQLite 3.35 or
+newer). See ``specs/backends/database.md``, Operations on SQLite.
 
 Wait queues (fair waiting) live in a file of their own beside the database
 (:func:`queue_file`), attached to each private connection as ``syncguard_queue``: a
@@ -163,6 +164,10 @@ WITHDRAW_GRANT = (
     "DELETE FROM syncguard_locks WHERE key = %s AND lock_id = %s AND expires_at_ms > %s RETURNING 1"
 )
 DELETE_TICKET = f"DELETE FROM {QUEUE} WHERE key = %s AND ticket_id = %s"
+# The first statement of a transaction that decides whether to write a key's lock:
+# it takes the queue file's write lock (every such decision is made under it) and
+# changes nothing. See SqliteOperations._decide.
+LOCK_QUEUE_FILE = f"DELETE FROM {QUEUE} WHERE 0"
 PRUNE_QUEUE = f"DELETE FROM {QUEUE} WHERE key = %s AND live_until_ms <= %s"
 WITHDRAW = f"{DELETE_TICKET} RETURNING 1"
 EXTEND = (
@@ -173,16 +178,18 @@ EXISTS_ID = "SELECT 1 FROM syncguard_locks WHERE lock_id = %s"
 SWEEP_KEY = "DELETE FROM syncguard_locks WHERE key = %s AND expires_at_ms < %s"
 LOOKUP = f"SELECT {LOCK_COLUMNS} FROM syncguard_locks WHERE {{column}} = %s"
 
-# One batch of cleanup. The statement holds the database lock, and acquire reads and
-# writes inside one BEGIN IMMEDIATE transaction, so the two never interleave.
+# One batch of cleanup. The statement holds the database lock, and acquire writes only
+# in a transaction whose reads are still current (SqliteOperations._decide), so the
+# two never interleave.
 DELETE_EXPIRED = (
     "DELETE FROM syncguard_locks WHERE key IN (SELECT key FROM syncguard_locks "
     "WHERE expires_at_ms < %s ORDER BY expires_at_ms LIMIT %s) AND expires_at_ms < %s"
 )
 
 # Fence continuity (specs/backends/database.md, Fence continuity). Each statement, or
-# the transaction of a batch, holds the database's write lock, which an acquire holds
-# from its first read to its commit: none of them interleaves with an acquire.
+# the transaction of a batch, holds the database's write lock, and an acquire's write
+# fails (and is tried again) when the database was written since its reads: none of
+# them interleaves with an acquire.
 RAISE_FLOOR = (
     "INSERT INTO syncguard_fence_counters (fence_key, fence) VALUES (%s, %s) "
     "ON CONFLICT (fence_key) DO UPDATE SET fence = max(fence, excluded.fence) "
@@ -372,24 +379,22 @@ class SqliteOperations(DatabaseOperations):
         owner: str | None = None,
         request: str | None = None,
     ) -> AcquireReply:
-        """Acquire in one transaction that holds the database lock from its start, so
-        no other writer runs between the reads and the writes. A ticket for a held key,
-        or one that is not first in line, is queued in a transaction of the queue file
-        alone. With grants, a ticket that finds the key granted to it claims that lock
-        instead, and an attempt that finds the key free behind another waiter grants it
-        to that waiter first."""
-        state = self._begin_unless_held(cursor, keys.storage_key, ticket)
-        if state == _BEGUN:
-            try:
-                reply, wrote = self._read_then_write(
-                    cursor, keys, lock_id, ttl_ms, check_cancel, ticket, clock, owner, request
-                )
-                cursor.execute("COMMIT" if wrote else "ROLLBACK")
-                return reply
-            except BaseException:
-                with suppress(Exception):
-                    cursor.execute("ROLLBACK")
-                raise
+        """Acquire in one transaction that SQLite lets write only while its reads are
+        current (:meth:`_decide`), unless a read before it finds the key held. A ticket
+        for a held key, or one that is not first in line, is queued in a transaction of
+        the queue file alone. With grants, a ticket that finds the key granted to it
+        claims that lock instead, and an attempt that finds the key free behind another
+        waiter grants it to that waiter first."""
+        state, reply = self._decide_unless_held(
+            cursor,
+            keys.storage_key,
+            ticket,
+            lambda c: self._read_then_write(
+                c, keys, lock_id, ttl_ms, check_cancel, ticket, clock, owner, request
+            ),
+        )
+        if reply is not None:
+            return reply
         if state == _GRANTED and ticket is not None:
             claimed = self._claim_crossed(cursor, keys, lock_id, ttl_ms, ticket, check_cancel)
             if claimed is not None:
@@ -408,42 +413,78 @@ class SqliteOperations(DatabaseOperations):
             position = 0  # the grant lapsed meanwhile: try again soon
         return LOCKED, None, None, position, None
 
-    def _begin_unless_held(
-        self, cursor: Any, storage_key: str, ticket: WaitTicket | None = None
-    ) -> str:
-        """``BEGIN IMMEDIATE`` (``_BEGUN``), unless the key's lock is live (``_HELD``,
-        or ``_GRANTED`` when it was granted to ``ticket``) or another live waiter is
-        first in its queue (``_BEHIND``, or ``_BEHIND_GRANTABLE`` when the key is free
-        for a grant to that waiter); then the database's write lock was never taken.
+    def _decide_unless_held(
+        self,
+        cursor: Any,
+        storage_key: str,
+        ticket: WaitTicket | None,
+        decide: Callable[[Any], tuple[T, bool]],
+    ) -> tuple[str, T | None]:
+        """``(_DECIDED, what decide returned)`` from :meth:`_decide`, unless a read
+        outside any transaction finds the key's lock live (``_HELD``, or ``_GRANTED``
+        when it was granted to ``ticket``) or another live waiter first in its queue
+        (``_BEHIND``, or ``_BEHIND_GRANTABLE`` when the key is free for a grant to that
+        waiter): then no write lock was taken, and the state comes with None.
 
-        The key is read before each try for the write lock, and a try does not wait
-        (busy timeout 0); between tries the key is read again, for as long as the
-        connection's busy timeout allows. SQLite's own wait would instead take the
-        write lock as soon as the current writer commits, even when that writer has
-        just taken the key: and a holder whose transaction goes from reading to writing
-        while another connection has the write lock fails at once ("database is
-        locked"), as SQLite does not wait in that case. So callers waiting for a held
-        key never take the write lock, nor do waiters whose turn it is not."""
-        pause = 0.001
-        with _busy_timeout(cursor, 0) as wait_ms:
-            deadline = time.monotonic() + wait_ms / 1000
-            while True:
-                try:
-                    now = self.clock()
-                    holder = fetch_row(cursor, SELECT_HOLDER, [storage_key])
-                    if holder is not None and is_live(int(holder[0]), now, TIME_TOLERANCE_MS):
-                        granted = ticket is not None and holder[1] == ticket.id
-                        return _GRANTED if granted else _HELD
-                    behind = self._behind(cursor, storage_key, ticket, now)
-                    if behind is not None:
-                        return behind
-                    cursor.execute("BEGIN IMMEDIATE")
-                    return _BEGUN
-                except OperationalError as exc:
-                    if "is locked" not in str(exc) or time.monotonic() + pause > deadline:
-                        raise
-                time.sleep(pause)
-                pause = min(2 * pause, WRITE_LOCK_PAUSE_MAX_S)
+        Tries do not wait for a write lock (busy timeout 0); between tries the key is
+        read again, for as long as the connection's busy timeout allows (see
+        :func:`_retry_while_locked`). So callers waiting for a held key never take a
+        write lock, nor do waiters whose turn it is not."""
+
+        def attempt(wait_ms: int) -> tuple[str, T | None]:
+            now = self.clock()
+            holder = fetch_row(cursor, SELECT_HOLDER, [storage_key])
+            if holder is not None and is_live(int(holder[0]), now, TIME_TOLERANCE_MS):
+                granted = ticket is not None and holder[1] == ticket.id
+                return _GRANTED if granted else _HELD, None
+            behind = self._behind(cursor, storage_key, ticket, now)
+            if behind is not None:
+                return behind, None
+            return _DECIDED, self._decide(cursor, decide, wait_ms)
+
+        return _retry_while_locked(cursor, attempt)
+
+    def _decide(
+        self, cursor: Any, decide: Callable[[Any], tuple[T, bool]], commit_wait_ms: int
+    ) -> T:
+        """One try of ``decide(cursor)``, which reads a key's lock and writes it or
+        not: ``(result, whether it wrote)``; COMMIT when it wrote, else ROLLBACK.
+
+        The transaction takes the queue file's write lock before it reads anything,
+        and the database's only when ``decide`` writes to it. Every decision to write
+        a key's lock (acquire, grant, claim, a waiter's give-back) is made under the
+        queue file's write lock, so no other decision takes the key between this read
+        and this write; and a decision that finds the key taken meanwhile never holds
+        the database's write lock. That matters to the key's new holder: its
+        transaction may be between reading and writing, and SQLite fails such a write
+        at once ("database is locked", no busy wait) while another connection holds
+        the database's write lock. ``decide``'s write to the database is the same kind
+        of write (it has read the lock first): when another connection holds the
+        database's write lock, or committed since the read, it fails at once, and
+        :func:`_retry_while_locked` tries again. Without queues there is no queue file:
+        ``BEGIN IMMEDIATE`` takes the database's write lock from the start, as before
+        queues, and a key taken between the read before it and this one meets it.
+
+        Under a rollback journal (not WAL) the ``COMMIT`` waits for the file's readers
+        to finish, for up to ``commit_wait_ms`` (the busy timeout the tries run
+        without), as every commit there does; under WAL a commit never waits."""
+        cursor.execute("BEGIN" if self.queues else "BEGIN IMMEDIATE")
+        try:
+            if self.queues:
+                cursor.execute(LOCK_QUEUE_FILE)
+            result, wrote = decide(cursor)
+            if not wrote:
+                cursor.execute("ROLLBACK")
+            elif self._wal_mode is False:
+                with _busy_timeout(cursor, commit_wait_ms):
+                    cursor.execute("COMMIT")
+            else:
+                cursor.execute("COMMIT")
+        except BaseException:
+            with suppress(Exception):
+                cursor.execute("ROLLBACK")
+            raise
+        return result
 
     def _behind(
         self, cursor: Any, storage_key: str, ticket: WaitTicket | None, now: int
@@ -459,6 +500,17 @@ class SqliteOperations(DatabaseOperations):
         if head is None or (ticket is not None and head == ticket.id):
             return None
         return _BEHIND_GRANTABLE if self._grants and requests.get(head) else _BEHIND
+
+    @staticmethod
+    def _granted_to(cursor: Any, storage_key: str, ticket_id: str, now: int) -> bool:
+        """Whether the key's live lock is the one granted to ``ticket_id`` (claimed or
+        not: a claim renames it only outside the grant's own process)."""
+        holder = fetch_row(cursor, SELECT_HOLDER, [storage_key])
+        return (
+            holder is not None
+            and holder[1] == ticket_id
+            and is_live(int(holder[0]), now, TIME_TOLERANCE_MS)
+        )
 
     @staticmethod
     def _live(cursor: Any, storage_key: str, now: int) -> bool:
@@ -478,10 +530,11 @@ class SqliteOperations(DatabaseOperations):
         owner: str | None = None,
         request: str | None = None,
     ) -> tuple[AcquireReply, bool]:
-        """The acquire's reads and writes inside its transaction; the reply, and whether
-        anything was written (to commit). The fence is ``next_fence`` of the counter
-        and the floor, read together, and of this machine's clock in clock mode. A key
-        granted to ``ticket`` since the first read is claimed."""
+        """The acquire's reads and writes inside its transaction (:meth:`_decide`); the
+        reply, and whether anything was written (to commit). The fence is
+        ``next_fence`` of the counter and the floor, read together, and of this
+        machine's clock in clock mode. A key granted to ``ticket`` since the first read
+        is claimed."""
         now = self.clock()
         holder = fetch_row(cursor, SELECT_HOLDER, [keys.storage_key])
         live = holder is not None and is_live(int(holder[0]), now, TIME_TOLERANCE_MS)
@@ -541,12 +594,24 @@ class SqliteOperations(DatabaseOperations):
         holder, every process of an SQLite database being on one machine. Without it,
         a hand-off to another process cost one more synced commit than before grants."""
         check_cancel()  # before the write: unclaimed, the grant lapses by itself
-        params = [lock_id, ttl_ms, keys.storage_key, ticket.id, self.clock() - TIME_TOLERANCE_MS]
         if in_transaction:
+            now = self.clock()
+            params = [lock_id, ttl_ms, keys.storage_key, ticket.id, now - TIME_TOLERANCE_MS]
             row = fetch_row(cursor, CLAIM_CROSSED, params)
         else:
+
+            def claim(c: Any) -> tuple[Row | None, bool]:
+                # The grant may have lapsed and the key gone to another caller since
+                # the attempt read it: write only while it is still this ticket's.
+                now = self.clock()
+                if not self._granted_to(c, keys.storage_key, ticket.id, now):
+                    return None, False
+                params = [lock_id, ttl_ms, keys.storage_key, ticket.id, now - TIME_TOLERANCE_MS]
+                claimed = fetch_row(c, CLAIM_CROSSED, params)
+                return claimed, claimed is not None
+
             with _synchronous(cursor, "NORMAL"):
-                row = fetch_row(cursor, CLAIM_CROSSED, params)
+                row = _retry_while_locked(cursor, partial(self._decide, cursor, claim))
         if row is None:
             return None
         return ACQUIRED, int(row[0]), int(row[1]), None, None  # renamed: this lock id
@@ -660,10 +725,20 @@ class SqliteOperations(DatabaseOperations):
         if self.run(lambda c: fetch_value(c, WITHDRAW, params)) is None:
             if not self._grants:
                 return
+
             # Not queued: the key may have been granted to the ticket (claimed here, or
             # not yet by anyone). The waiter gave up: the lock goes, the key is granted on.
-            grant = [keys.storage_key, ticket_id, self.clock() - TIME_TOLERANCE_MS]
-            if self.run(lambda c: fetch_value(c, WITHDRAW_GRANT, grant)) is not None:
+            def give_back(c: Any) -> tuple[bool, bool]:
+                # Only while the key is still this ticket's: otherwise another caller
+                # may hold it, whose write must not meet this one's write lock.
+                now = self.clock()
+                if not self._granted_to(c, keys.storage_key, ticket_id, now):
+                    return False, False
+                grant = [keys.storage_key, ticket_id, now - TIME_TOLERANCE_MS]
+                gone = fetch_value(c, WITHDRAW_GRANT, grant) is not None
+                return gone, gone
+
+            if self.run(lambda c: _retry_while_locked(c, partial(self._decide, c, give_back))):
                 self._hand_on(key, keys.storage_key)
             return
         now = self.clock()
@@ -697,13 +772,18 @@ class SqliteOperations(DatabaseOperations):
             logger.warning("Granting a released key to its next waiter failed: %r", exc)
 
     def _grant_next(self, cursor: Any, key: str, storage_key: str) -> None:
-        """Grant the free ``key`` to its first live waiter, in a transaction that holds
-        both files' write locks (read and written again inside it: nothing is granted
-        when the key was taken meanwhile), then tell that waiter if it waits in this
-        process (a waiter elsewhere finds the grant at its next poll)."""
+        """Grant the free ``key`` to its first live waiter (:meth:`_decide`: read
+        again and written in one transaction; nothing is granted, and the database's
+        write lock is not taken, when the key was taken meanwhile), then tell that
+        waiter if it waits in this process (a waiter elsewhere finds the grant at its
+        next poll)."""
         wake_ups = self._local()
-        with _transaction(cursor, "BEGIN IMMEDIATE"):
-            granted = self._grant(cursor, key, storage_key, self.clock(), wake_ups)
+
+        def decide(c: Any) -> tuple[Granted | None, bool]:
+            granted = self._grant(c, key, storage_key, self.clock(), wake_ups)
+            return granted, granted is not None and granted[1] is not None
+
+        granted = _retry_while_locked(cursor, partial(self._decide, cursor, decide))
         if granted is not None and wake_ups is not None:
             head, grant = granted
             wake_ups.deliver(key, head, grant)
@@ -963,14 +1043,35 @@ class _LocalRegistries:
 
 _local_wake_ups = _LocalRegistries()
 
-# What SqliteOperations._begin_unless_held found (see there).
-_BEGUN, _HELD, _GRANTED, _BEHIND, _BEHIND_GRANTABLE = (
-    "begun",
+# What SqliteOperations._decide_unless_held found (see there).
+_DECIDED, _HELD, _GRANTED, _BEHIND, _BEHIND_GRANTABLE = (
+    "decided",
     "held",
     "granted",
     "behind",
     "behind, grantable",
 )
+
+
+def _retry_while_locked(cursor: Any, attempt: Callable[[int], T]) -> T:
+    """``attempt(busy timeout)``, tried again while it fails with "database is
+    locked", for as long as the connection's busy timeout allows (the attempt gets
+    it: see ``SqliteOperations._decide``, its commit); no try waits for a write lock
+    (busy timeout 0): between tries, the attempt reads the key again. SQLite's own wait
+    would take the write lock as soon as the current writer commits, even when that
+    writer has just taken the key, and a write after a read in the same transaction
+    never waits anyway."""
+    pause = 0.001
+    with _busy_timeout(cursor, 0) as wait_ms:
+        deadline = time.monotonic() + wait_ms / 1000
+        while True:
+            try:
+                return attempt(wait_ms)
+            except OperationalError as exc:
+                if "is locked" not in str(exc) or time.monotonic() + pause > deadline:
+                    raise
+            time.sleep(pause)
+            pause = min(2 * pause, WRITE_LOCK_PAUSE_MAX_S)
 
 
 def _with_busy_timeout(timeout_ms: int, work: Callable[[Any], T], cursor: Any) -> T:
