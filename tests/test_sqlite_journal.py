@@ -48,11 +48,19 @@ def test_under_a_rollback_journal_an_acquire_s_commit_waits_for_a_reader(rollbac
     backend, path = rollback_journal
     reader = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
     statements: list[str] = []
+    timers: list[threading.Timer] = []
+    # The last statement begun as the reader left: the COMMIT, still waiting for it.
+    last: list[str] = []
+
+    def leave():
+        last.append(statements[-1])
+        reader.execute("ROLLBACK")
 
     def trace(sql):
         statements.append(sql)
-        if sql == "COMMIT":  # the reader leaves once the commit has begun
-            threading.Timer(0.05, reader.execute, ["ROLLBACK"]).start()
+        if sql == "COMMIT" and not timers:  # the reader leaves once the commit has begun
+            timers.append(threading.Timer(0.05, leave))
+            timers[0].start()
 
     private = backend.connection()
     private.ensure_connection()
@@ -63,7 +71,10 @@ def test_under_a_rollback_journal_an_acquire_s_commit_waits_for_a_reader(rollbac
     try:
         result = backend.acquire("journal:1", 1_000)
     finally:
+        for timer in timers:
+            timer.join(10)
         reader.close()
+    assert last == ["COMMIT"]
     assert result.ok is True
     assert [sql for sql in statements if sql.startswith(("BEGIN", "COMMIT", "ROLLBACK"))] == [
         "BEGIN",

@@ -11,10 +11,10 @@ connection of that alias (the one your views and ``transaction.atomic()`` use). 
 opens its own connection per thread, from the same settings, in autocommit: a lock
 is visible to every process the moment ``acquire`` returns, survives a rollback of
 the caller's transaction, and a fence is never handed out twice. Each operation is
-a single autocommit statement (or, on SQLite, one short ``BEGIN IMMEDIATE``
-transaction), so the backend works behind pgbouncer in transaction pooling mode: it
-keeps no session state and uses only transaction-scoped advisory locks (waiters'
-wake-ups excepted: ``LISTEN`` needs a session, see ``wakeups.py``). Prepared
+a single autocommit statement (or, on SQLite, one short transaction), so the
+backend works behind pgbouncer in transaction pooling mode: it keeps no session
+state and uses only transaction-scoped advisory locks (waiters' wake-ups excepted:
+``LISTEN`` needs a session, see ``wakeups.py``). Prepared
 statements follow the alias's ``OPTIONS["prepare_threshold"]`` (Django's switch,
 off by default); turn it on only where the pooler, if any, supports them.
 

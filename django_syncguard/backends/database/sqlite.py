@@ -4,7 +4,8 @@ Every process of an SQLite database runs on one machine, so they share that cloc
 Writers are serialised by SQLite's database lock. A live lock is answered from a read;
 otherwise the multi-statement acquire decides under the queue file's write lock and
 takes the database's only to write (``SqliteOperations._decide``: a key taken
-meanwhile never meets a write lock of ours while its holder writes). Release and
+meanwhile never meets a write lock of ours while its holder writes; with wait queues
+off there is no queue file, and ``BEGIN IMMEDIATE`` takes the database's). Release and
 extend are single ``DELETE`` / ``UPDATE ... RETURNING`` statements (SQLite 3.35 or
 newer). See ``specs/backends/database.md``, Operations on SQLite.
 
@@ -466,8 +467,9 @@ class SqliteOperations(DatabaseOperations):
         queues, and a key taken between the read before it and this one meets it.
 
         Under a rollback journal (not WAL) the ``COMMIT`` waits for the file's readers
-        to finish, for up to ``commit_wait_ms`` (the busy timeout the tries run
-        without), as every commit there does; under WAL a commit never waits."""
+        to finish, for up to ``commit_wait_ms`` (what is left of the busy timeout the
+        tries run without), as every commit there does; under WAL a commit never
+        waits."""
         cursor.execute("BEGIN" if self.queues else "BEGIN IMMEDIATE")
         try:
             if self.queues:
@@ -475,7 +477,7 @@ class SqliteOperations(DatabaseOperations):
             result, wrote = decide(cursor)
             if not wrote:
                 cursor.execute("ROLLBACK")
-            elif self._wal_mode is False:
+            elif not self._wal_mode:  # not known to be WAL: waiting is always safe
                 with _busy_timeout(cursor, commit_wait_ms):
                     cursor.execute("COMMIT")
             else:
@@ -1066,7 +1068,9 @@ def _retry_while_locked(cursor: Any, attempt: Callable[[int], T]) -> T:
         deadline = time.monotonic() + wait_ms / 1000
         while True:
             try:
-                return attempt(wait_ms)
+                # What is left of the busy timeout: a commit that waits (see
+                # SqliteOperations._decide) never takes the call past it.
+                return attempt(max(1, int((deadline - time.monotonic()) * 1000)))
             except OperationalError as exc:
                 if "is locked" not in str(exc) or time.monotonic() + pause > deadline:
                     raise
