@@ -12,6 +12,7 @@ from django.db import connections, transaction
 
 from django_syncguard import generate_lock_id, locked
 from django_syncguard.backends.database import DatabaseBackend
+from django_syncguard.backends.database.sqlite import queue_file
 from django_syncguard.constants import TIME_TOLERANCE_MS
 from django_syncguard.liveness import FakeClock
 from django_syncguard.waiting import WaitTicket
@@ -291,3 +292,48 @@ def test_an_attempt_that_read_the_key_free_leaves_its_new_holder_s_write_alone(l
     assert other.release(holder.lock_id).ok is True
     if behind:
         assert lite.release(ran_out.lock_id).reason == "not-found"  # taken over
+
+
+def test_a_release_that_grants_waits_for_the_queue_file_holding_nothing_writers_need(lite, writer):
+    # The release and the grant take the queue file's write lock, then the database's
+    # with their first write there: while the queue file's is taken elsewhere, the
+    # release waits holding nothing, and a holder of another key writes meanwhile.
+    held = lite.acquire("account:1", 60_000)
+    ticket = WaitTicket(WaitTicket.new().id, patience_ms=60_000)
+    assert lite.acquire("account:1", 60_000, ticket=ticket).queue_position == 0
+    name = connections["default"].settings_dict["NAME"]
+    queue = sqlite3.connect(queue_file(name), isolation_level=None, check_same_thread=False)
+    queue.execute("BEGIN")
+    queue.execute("DELETE FROM syncguard_waiters WHERE 0")  # another process's queue write
+    waiting = threading.Event()
+    released = []
+
+    def trace(sql):
+        if sql in ("BEGIN IMMEDIATE", "DELETE FROM syncguard_queue.syncguard_waiters WHERE 0"):
+            waiting.set()  # the release's transaction begins: it will wait for the queue
+
+    def release():
+        try:
+            private = lite.connection()
+            private.ensure_connection()
+            private.connection.set_trace_callback(trace)
+            released.append(lite.release(held.lock_id).ok)
+        finally:
+            waiting.set()
+
+    releasing = threading.Thread(target=release)
+    releasing.start()
+    try:
+        assert waiting.wait(10)
+        writer.execute("BEGIN")
+        writer.execute("SELECT count(*) FROM syncguard_locks").fetchall()
+        take_key(writer, "account:2")  # a write after a read: it would fail at once
+        writer.execute("COMMIT")
+    finally:
+        queue.execute("ROLLBACK")
+        queue.close()
+        releasing.join(10)
+    assert released == [True]
+    claimed = lite.acquire("account:1", 60_000, ticket=ticket)  # granted on release
+    assert (claimed.ok, claimed.fence) == (True, "000000000000002")
+    assert lite.release(claimed.lock_id).ok is True

@@ -445,6 +445,19 @@ class SqliteOperations(DatabaseOperations):
 
         return _retry_while_locked(cursor, attempt)
 
+    @contextmanager
+    def _queue_file_first(self, cursor: Any) -> Iterator[None]:
+        """A transaction that writes both files, and takes the queue file's write lock
+        first (``BEGIN``, then ``LOCK_QUEUE_FILE``; without queues there is one file,
+        and it is ``BEGIN IMMEDIATE``). Every transaction that writes both files takes
+        them in this order, and none waits for the queue file's lock while it holds the
+        database's: so they never wait for each other, and a transaction that waits
+        for the queue file's lock holds nothing another key's holder needs to write."""
+        with _transaction(cursor, "BEGIN" if self.queues else "BEGIN IMMEDIATE"):
+            if self.queues:
+                cursor.execute(LOCK_QUEUE_FILE)
+            yield
+
     def _decide(
         self, cursor: Any, decide: Callable[[Any], tuple[T, bool]], commit_wait_ms: int
     ) -> T:
@@ -681,8 +694,10 @@ class SqliteOperations(DatabaseOperations):
                 row = fetch_row(cursor, RELEASE_QUEUED, [lock_id, now - TIME_TOLERANCE_MS, now])
             else:
                 # The release and the grant in one transaction: one commit, and no
-                # attempt sees the key free in between.
-                with _transaction(cursor, "BEGIN IMMEDIATE"):
+                # attempt sees the key free in between. Its first write to the
+                # database is its first statement there, so it waits for the
+                # database's write lock as usual (holding the queue file's).
+                with self._queue_file_first(cursor):
                     row = fetch_row(cursor, RELEASE, [lock_id, now - TIME_TOLERANCE_MS])
                     if row is not None:
                         key, storage_key, at = str(row[1]), str(row[0]), self.clock()
@@ -922,9 +937,10 @@ class SqliteOperations(DatabaseOperations):
         rows = [[name, fence, FLOOR_KEY, *params] for name, fence in counters]
 
         def delete(cursor: Any) -> int:
-            # One transaction for the batch (one commit): it holds the write lock, so no
-            # acquire runs between a counter's check and its delete.
-            with _transaction(cursor, "BEGIN IMMEDIATE"):
+            # One transaction for the batch (one commit): from its first delete it holds
+            # the database's write lock, so no acquire runs between a counter's check
+            # and its delete, and the queue file's, so no ticket is queued meanwhile.
+            with self._queue_file_first(cursor):
                 return sum(row_count(cursor, sql, row) for row in rows)
 
         return self.run(delete)
