@@ -295,16 +295,15 @@ def test_an_attempt_that_read_the_key_free_leaves_its_new_holder_s_write_alone(l
 
 
 def test_a_release_that_grants_waits_for_the_queue_file_holding_nothing_writers_need(lite, writer):
-    # The release and the grant take the queue file's write lock, then the database's
-    # with their first write there: while the queue file's is taken elsewhere, the
-    # release waits holding nothing, and a holder of another key writes meanwhile.
+    # The release and the grant take the queue file's write lock, then the database's,
+    # neither waiting while it holds the other: while the queue file's is taken
+    # elsewhere, the release waits holding nothing, and a holder of another key
+    # writes meanwhile.
     held = lite.acquire("account:1", 60_000)
     ticket = WaitTicket(WaitTicket.new().id, patience_ms=60_000)
     assert lite.acquire("account:1", 60_000, ticket=ticket).queue_position == 0
     name = connections["default"].settings_dict["NAME"]
     queue = sqlite3.connect(queue_file(name), isolation_level=None, check_same_thread=False)
-    queue.execute("BEGIN")
-    queue.execute("DELETE FROM syncguard_waiters WHERE 0")  # another process's queue write
     waiting = threading.Event()
     released = []
 
@@ -322,17 +321,22 @@ def test_a_release_that_grants_waits_for_the_queue_file_holding_nothing_writers_
             waiting.set()
 
     releasing = threading.Thread(target=release)
-    releasing.start()
     try:
+        queue.execute("BEGIN")
+        queue.execute("DELETE FROM syncguard_waiters WHERE 0")  # another process's queue write
+        releasing.start()
         assert waiting.wait(10)
         writer.execute("BEGIN")
         writer.execute("SELECT count(*) FROM syncguard_locks").fetchall()
         take_key(writer, "account:2")  # a write after a read: it would fail at once
         writer.execute("COMMIT")
+        assert (releasing.is_alive(), released) == (True, [])  # still waiting meanwhile
     finally:
-        queue.execute("ROLLBACK")
+        if queue.in_transaction:
+            queue.execute("ROLLBACK")
         queue.close()
-        releasing.join(10)
+        if releasing.ident is not None:
+            releasing.join(10)
     assert released == [True]
     claimed = lite.acquire("account:1", 60_000, ticket=ticket)  # granted on release
     assert (claimed.ok, claimed.fence) == (True, "000000000000002")

@@ -445,18 +445,13 @@ class SqliteOperations(DatabaseOperations):
 
         return _retry_while_locked(cursor, attempt)
 
-    @contextmanager
-    def _queue_file_first(self, cursor: Any) -> Iterator[None]:
-        """A transaction that writes both files, and takes the queue file's write lock
-        first (``BEGIN``, then ``LOCK_QUEUE_FILE``; without queues there is one file,
-        and it is ``BEGIN IMMEDIATE``). Every transaction that writes both files takes
-        them in this order, and none waits for the queue file's lock while it holds the
-        database's: so they never wait for each other, and a transaction that waits
-        for the queue file's lock holds nothing another key's holder needs to write."""
-        with _transaction(cursor, "BEGIN" if self.queues else "BEGIN IMMEDIATE"):
-            if self.queues:
-                cursor.execute(LOCK_QUEUE_FILE)
-            yield
+    def _decide_with_retries(self, cursor: Any, decide: Callable[[Any], tuple[T, bool]]) -> T:
+        """:meth:`_decide`, tried again while a lock it needs is taken (see
+        :func:`_retry_while_locked`). Every transaction that writes both files runs
+        this way: no try waits for one file's write lock while it holds the other's
+        (a wait there would hold up either the holders of other keys, who need the
+        database's lock to write, or every waiter, who needs the queue file's)."""
+        return _retry_while_locked(cursor, partial(self._decide, cursor, decide))
 
     def _decide(
         self, cursor: Any, decide: Callable[[Any], tuple[T, bool]], commit_wait_ms: int
@@ -465,9 +460,10 @@ class SqliteOperations(DatabaseOperations):
         not: ``(result, whether it wrote)``; COMMIT when it wrote, else ROLLBACK.
 
         The transaction takes the queue file's write lock before it reads anything,
-        and the database's only when ``decide`` writes to it. Every decision to write
-        a key's lock (acquire, grant, claim, a waiter's give-back) is made under the
-        queue file's write lock, so no other decision takes the key between this read
+        and the database's only when ``decide`` writes to it (the release that grants
+        and compaction's batches run here too: they write both files). Every decision
+        to write a key's lock (acquire, grant, claim, a waiter's give-back) is made
+        under the queue file's write lock, so no other decision takes the key between this read
         and this write; and a decision that finds the key taken meanwhile never holds
         the database's write lock. That matters to the key's new holder: its
         transaction may be between reading and writing, and SQLite fails such a write
@@ -626,7 +622,7 @@ class SqliteOperations(DatabaseOperations):
                 return claimed, claimed is not None
 
             with _synchronous(cursor, "NORMAL"):
-                row = _retry_while_locked(cursor, partial(self._decide, cursor, claim))
+                row = self._decide_with_retries(cursor, claim)
         if row is None:
             return None
         return ACQUIRED, int(row[0]), int(row[1]), None, None  # renamed: this lock id
@@ -688,20 +684,23 @@ class SqliteOperations(DatabaseOperations):
             return self._release_and_wake(lock_id, now)
         wake_ups = self._local()
 
+        def release_and_grant(c: Any) -> tuple[tuple[Row | None, Granted | None], bool]:
+            row = fetch_row(c, RELEASE, [lock_id, now - TIME_TOLERANCE_MS])
+            if row is None:
+                return (None, None), False
+            key, storage_key, at = str(row[1]), str(row[0]), self.clock()
+            return (row, self._grant(c, key, storage_key, at, wake_ups)), True
+
         def release(cursor: Any) -> tuple[Row | None, bool, Granted | None]:
             if not fetch_value(cursor, WAITED, [lock_id, now]):
                 # Nobody waits: one statement, which says whether a waiter queued since.
                 row = fetch_row(cursor, RELEASE_QUEUED, [lock_id, now - TIME_TOLERANCE_MS, now])
             else:
                 # The release and the grant in one transaction: one commit, and no
-                # attempt sees the key free in between. Its first write to the
-                # database is its first statement there, so it waits for the
-                # database's write lock as usual (holding the queue file's).
-                with self._queue_file_first(cursor):
-                    row = fetch_row(cursor, RELEASE, [lock_id, now - TIME_TOLERANCE_MS])
-                    if row is not None:
-                        key, storage_key, at = str(row[1]), str(row[0]), self.clock()
-                        return row, True, self._grant(cursor, key, storage_key, at, wake_ups)
+                # attempt sees the key free in between.
+                row, granted = self._decide_with_retries(cursor, release_and_grant)
+                if row is not None:
+                    return row, True, granted
             if row is None:
                 return None, fetch_value(cursor, EXISTS_ID, [lock_id]) is not None, None
             return row, True, None
@@ -755,7 +754,7 @@ class SqliteOperations(DatabaseOperations):
                 gone = fetch_value(c, WITHDRAW_GRANT, grant) is not None
                 return gone, gone
 
-            if self.run(lambda c: _retry_while_locked(c, partial(self._decide, c, give_back))):
+            if self.run(lambda c: self._decide_with_retries(c, give_back)):
                 self._hand_on(key, keys.storage_key)
             return
         now = self.clock()
@@ -800,7 +799,7 @@ class SqliteOperations(DatabaseOperations):
             granted = self._grant(c, key, storage_key, self.clock(), wake_ups)
             return granted, granted is not None and granted[1] is not None
 
-        granted = _retry_while_locked(cursor, partial(self._decide, cursor, decide))
+        granted = self._decide_with_retries(cursor, decide)
         if granted is not None and wake_ups is not None:
             head, grant = granted
             wake_ups.deliver(key, head, grant)
@@ -936,14 +935,14 @@ class SqliteOperations(DatabaseOperations):
         sql = DELETE_IDLE.format(idle=idle)
         rows = [[name, fence, FLOOR_KEY, *params] for name, fence in counters]
 
-        def delete(cursor: Any) -> int:
+        def delete(cursor: Any) -> tuple[int, bool]:
             # One transaction for the batch (one commit): from its first delete it holds
             # the database's write lock, so no acquire runs between a counter's check
             # and its delete, and the queue file's, so no ticket is queued meanwhile.
-            with self._queue_file_first(cursor):
-                return sum(row_count(cursor, sql, row) for row in rows)
+            deleted = sum(row_count(cursor, sql, row) for row in rows)
+            return deleted, deleted > 0
 
-        return self.run(delete)
+        return self.run(lambda c: self._decide_with_retries(c, delete))
 
 
 @contextmanager
