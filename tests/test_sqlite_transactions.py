@@ -6,6 +6,7 @@ from __future__ import annotations
 import sqlite3
 import threading
 import time
+from typing import Any
 
 import pytest
 from django.db import connections, transaction
@@ -305,11 +306,12 @@ def test_a_release_that_grants_waits_for_the_queue_file_holding_nothing_writers_
     name = connections["default"].settings_dict["NAME"]
     queue = sqlite3.connect(queue_file(name), isolation_level=None, check_same_thread=False)
     waiting = threading.Event()
-    released = []
+    released: list[Any] = []
 
     def trace(sql):
+        # The release's transaction begins (BEGIN IMMEDIATE: how it began before).
         if sql in ("BEGIN IMMEDIATE", "DELETE FROM syncguard_queue.syncguard_waiters WHERE 0"):
-            waiting.set()  # the release's transaction begins: it will wait for the queue
+            waiting.set()
 
     def release():
         try:
@@ -317,6 +319,8 @@ def test_a_release_that_grants_waits_for_the_queue_file_holding_nothing_writers_
             private.ensure_connection()
             private.connection.set_trace_callback(trace)
             released.append(lite.release(held.lock_id).ok)
+        except Exception as exc:
+            released.append(exc)
         finally:
             waiting.set()
 
@@ -339,5 +343,50 @@ def test_a_release_that_grants_waits_for_the_queue_file_holding_nothing_writers_
             releasing.join(10)
     assert released == [True]
     claimed = lite.acquire("account:1", 60_000, ticket=ticket)  # granted on release
+    assert (claimed.ok, claimed.fence) == (True, "000000000000002")
+    assert lite.release(claimed.lock_id).ok is True
+
+
+def test_a_release_that_grants_waits_for_the_database_holding_nothing_waiters_need(lite, writer):
+    # The mirror case: while another connection holds the database's write lock, the
+    # release that grants keeps trying without holding the queue file's lock, and a
+    # waiter queues meanwhile (queueing needs only the queue file's lock).
+    held = lite.acquire("account:1", 60_000)
+    first = WaitTicket(WaitTicket.new().id, patience_ms=60_000)
+    second = WaitTicket(WaitTicket.new().id, patience_ms=60_000)
+    assert lite.acquire("account:1", 60_000, ticket=first).queue_position == 0
+    trying = threading.Event()
+    outcome: list[Any] = []
+
+    def trace(sql):
+        if sql.startswith("DELETE FROM syncguard_locks WHERE lock_id"):
+            trying.set()  # the release's write to the database: it meets the lock
+
+    def release():
+        try:
+            private = lite.connection()
+            private.ensure_connection()
+            private.connection.set_trace_callback(trace)
+            outcome.append(lite.release(held.lock_id).ok)
+        except Exception as exc:
+            outcome.append(exc)
+        finally:
+            trying.set()
+
+    releasing = threading.Thread(target=release)
+    try:
+        writer.execute("BEGIN IMMEDIATE")  # another process writes, for as long as it likes
+        releasing.start()
+        assert trying.wait(10)
+        queued = lite.acquire("account:1", 60_000, ticket=second)
+        assert queued.queue_position == 1  # behind the first waiter, at once
+        assert (releasing.is_alive(), outcome) == (True, [])  # the release still tries
+    finally:
+        if writer.in_transaction:
+            writer.execute("ROLLBACK")
+        if releasing.ident is not None:
+            releasing.join(10)
+    assert outcome == [True]
+    claimed = lite.acquire("account:1", 60_000, ticket=first)  # granted on release
     assert (claimed.ok, claimed.fence) == (True, "000000000000002")
     assert lite.release(claimed.lock_id).ok is True

@@ -475,22 +475,22 @@ class SqliteOperations(DatabaseOperations):
         ``BEGIN IMMEDIATE`` takes the database's write lock from the start, as before
         queues, and a key taken between the read before it and this one meets it.
 
-        Under a rollback journal (not WAL) the ``COMMIT`` waits for the file's readers
-        to finish, for up to ``commit_wait_ms`` (what is left of the busy timeout the
-        tries run without), as every commit there does; under WAL a commit never
+        The ``COMMIT`` waits as every commit does, for up to ``commit_wait_ms`` (what
+        is left of the busy timeout the tries run without): a file in the rollback
+        journal (the database, or a queue file whose switch to WAL failed) makes its
+        commit wait for that file's readers to finish; under WAL a commit never
         waits."""
-        cursor.execute("BEGIN" if self.queues else "BEGIN IMMEDIATE")
         try:
+            # Inside the try: a BEGIN that fails (a transaction left open) rolls back.
+            cursor.execute("BEGIN" if self.queues else "BEGIN IMMEDIATE")
             if self.queues:
                 cursor.execute(LOCK_QUEUE_FILE)
             result, wrote = decide(cursor)
             if not wrote:
                 cursor.execute("ROLLBACK")
-            elif not self._wal_mode:  # not known to be WAL: waiting is always safe
+            else:
                 with _busy_timeout(cursor, commit_wait_ms):
                     cursor.execute("COMMIT")
-            else:
-                cursor.execute("COMMIT")
         except BaseException:
             with suppress(Exception):
                 cursor.execute("ROLLBACK")
@@ -963,8 +963,8 @@ def _busy_timeout(cursor: Any, timeout_ms: int) -> Iterator[int]:
     """SQLite's busy timeout at ``timeout_ms`` for the block, then as it was; yields
     the one it replaced."""
     before = int(fetch_value(cursor, "PRAGMA busy_timeout", []))
-    cursor.execute(f"PRAGMA busy_timeout = {int(timeout_ms)}")
     try:
+        cursor.execute(f"PRAGMA busy_timeout = {int(timeout_ms)}")
         yield before
     finally:
         cursor.execute(f"PRAGMA busy_timeout = {before}")
