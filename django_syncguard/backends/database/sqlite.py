@@ -463,9 +463,9 @@ class SqliteOperations(DatabaseOperations):
         and the database's only when ``decide`` writes to it (the release that grants
         and compaction's batches run here too: they write both files). Every decision
         to write a key's lock (acquire, grant, claim, a waiter's give-back) is made
-        under the queue file's write lock, so no other decision takes the key between this read
-        and this write; and a decision that finds the key taken meanwhile never holds
-        the database's write lock. That matters to the key's new holder: its
+        under the queue file's write lock, so no other decision takes the key between
+        this read and this write; and a decision that finds the key taken meanwhile
+        never holds the database's write lock. That matters to the key's new holder: its
         transaction may be between reading and writing, and SQLite fails such a write
         at once ("database is locked", no busy wait) while another connection holds
         the database's write lock. ``decide``'s write to the database is the same kind
@@ -639,14 +639,8 @@ class SqliteOperations(DatabaseOperations):
         with _transaction(cursor, "BEGIN"):
             now = self.clock()
             cursor.execute(PRUNE_QUEUE, [storage_key, now])
-            if self._grants:
-                holder = fetch_row(cursor, SELECT_HOLDER, [storage_key])
-                if (
-                    holder is not None
-                    and holder[1] == ticket.id
-                    and is_live(int(holder[0]), now, TIME_TOLERANCE_MS)
-                ):
-                    return True, None
+            if self._grants and self._granted_to(cursor, storage_key, ticket.id, now):
+                return True, None
             _, position, before, queue = _queue_rule(
                 cursor, storage_key, now, free=False, ticket=ticket
             )
