@@ -131,6 +131,14 @@ def take_key(raw, key):
     )
 
 
+def trace_statements(backend, trace):
+    """Call ``trace(sql)`` as each statement of ``backend``'s private connection of
+    this thread begins."""
+    private = backend.connection()
+    private.ensure_connection()
+    private.connection.set_trace_callback(trace)
+
+
 def test_a_held_key_is_answered_without_the_write_lock(lite, writer):
     held = lite.acquire("account:1", 60_000)
     writer.execute("BEGIN IMMEDIATE")  # another process writes, for as long as it likes
@@ -159,9 +167,7 @@ def test_a_key_taken_while_waiting_for_the_write_lock_is_answered_without_it(lit
         writer.execute("COMMIT")
         committed.set()
 
-    private = lite.connection()
-    private.ensure_connection()
-    private.connection.set_trace_callback(trace)
+    trace_statements(lite, trace)
     writer.execute("BEGIN IMMEDIATE")
     other = threading.Thread(target=take_it_once_the_caller_waits)
     other.start()
@@ -244,9 +250,7 @@ def pause_after_the_first_read(backend, holder):
         elif state["began"] and not state["ended"]:
             state["in between"].append(sql)
 
-    private = backend.connection()
-    private.ensure_connection()
-    private.connection.set_trace_callback(trace)
+    trace_statements(backend, trace)
     return state
 
 
@@ -295,6 +299,39 @@ def test_an_attempt_that_read_the_key_free_leaves_its_new_holder_s_write_alone(l
         assert lite.release(ran_out.lock_id).reason == "not-found"  # taken over
 
 
+class Releasing(threading.Thread):
+    """Releases ``lock_id`` through ``backend`` on a thread of its own. ``reached`` is
+    set as the first statement that ``at(sql)`` picks begins (or when the release
+    ends); ``outcome`` gets the release's ``ok``, or its error."""
+
+    def __init__(self, backend, lock_id, at):
+        super().__init__()
+        self.backend, self.lock_id, self.at = backend, lock_id, at
+        self.reached = threading.Event()
+        self.outcome: list[Any] = []
+
+    def run(self):
+        try:
+            trace_statements(self.backend, lambda sql: self.at(sql) and self.reached.set())
+            self.outcome.append(self.backend.release(self.lock_id).ok)
+        except Exception as exc:
+            self.outcome.append(exc)
+        finally:
+            self.reached.set()
+
+    def wait_if_started(self):
+        if self.ident is not None:
+            self.join(10)
+
+
+def claims_its_grant(backend, ticket):
+    """The waiter of ``ticket`` claims the key a release granted it, with the next
+    fence, and releases it."""
+    claimed = backend.acquire("account:1", 60_000, ticket=ticket)
+    assert (claimed.ok, claimed.fence) == (True, "000000000000002")
+    assert backend.release(claimed.lock_id).ok is True
+
+
 def test_a_release_that_grants_waits_for_the_queue_file_holding_nothing_writers_need(lite, writer):
     # The release and the grant take the queue file's write lock, then the database's,
     # neither waiting while it holds the other: while the queue file's is taken
@@ -305,31 +342,15 @@ def test_a_release_that_grants_waits_for_the_queue_file_holding_nothing_writers_
     assert lite.acquire("account:1", 60_000, ticket=ticket).queue_position == 0
     name = connections["default"].settings_dict["NAME"]
     queue = sqlite3.connect(queue_file(name), isolation_level=None, check_same_thread=False)
-    waiting = threading.Event()
-    released: list[Any] = []
-
-    def trace(sql):
-        # The release's transaction begins (BEGIN IMMEDIATE: how it began before).
-        if sql in ("BEGIN IMMEDIATE", "DELETE FROM syncguard_queue.syncguard_waiters WHERE 0"):
-            waiting.set()
-
-    def release():
-        try:
-            private = lite.connection()
-            private.ensure_connection()
-            private.connection.set_trace_callback(trace)
-            released.append(lite.release(held.lock_id).ok)
-        except Exception as exc:
-            released.append(exc)
-        finally:
-            waiting.set()
-
-    releasing = threading.Thread(target=release)
+    # At the release's transaction's start (BEGIN IMMEDIATE: how it began before).
+    starts = ("BEGIN IMMEDIATE", "DELETE FROM syncguard_queue.syncguard_waiters WHERE 0")
+    releasing = Releasing(lite, held.lock_id, lambda sql: sql in starts)
+    released = releasing.outcome
     try:
         queue.execute("BEGIN")
         queue.execute("DELETE FROM syncguard_waiters WHERE 0")  # another process's queue write
         releasing.start()
-        assert waiting.wait(10)
+        assert releasing.reached.wait(10)
         writer.execute("BEGIN")
         writer.execute("SELECT count(*) FROM syncguard_locks").fetchall()
         take_key(writer, "account:2")  # a write after a read: it would fail at once
@@ -339,12 +360,9 @@ def test_a_release_that_grants_waits_for_the_queue_file_holding_nothing_writers_
         if queue.in_transaction:
             queue.execute("ROLLBACK")
         queue.close()
-        if releasing.ident is not None:
-            releasing.join(10)
+        releasing.wait_if_started()
     assert released == [True]
-    claimed = lite.acquire("account:1", 60_000, ticket=ticket)  # granted on release
-    assert (claimed.ok, claimed.fence) == (True, "000000000000002")
-    assert lite.release(claimed.lock_id).ok is True
+    claims_its_grant(lite, ticket)
 
 
 def test_a_release_that_grants_waits_for_the_database_holding_nothing_waiters_need(lite, writer):
@@ -355,38 +373,21 @@ def test_a_release_that_grants_waits_for_the_database_holding_nothing_waiters_ne
     first = WaitTicket(WaitTicket.new().id, patience_ms=60_000)
     second = WaitTicket(WaitTicket.new().id, patience_ms=60_000)
     assert lite.acquire("account:1", 60_000, ticket=first).queue_position == 0
-    trying = threading.Event()
-    outcome: list[Any] = []
-
-    def trace(sql):
-        if sql.startswith("DELETE FROM syncguard_locks WHERE lock_id"):
-            trying.set()  # the release's write to the database: it meets the lock
-
-    def release():
-        try:
-            private = lite.connection()
-            private.ensure_connection()
-            private.connection.set_trace_callback(trace)
-            outcome.append(lite.release(held.lock_id).ok)
-        except Exception as exc:
-            outcome.append(exc)
-        finally:
-            trying.set()
-
-    releasing = threading.Thread(target=release)
+    # At the release's write to the database, which meets the other writer's lock.
+    releasing = Releasing(
+        lite, held.lock_id, lambda sql: sql.startswith("DELETE FROM syncguard_locks WHERE lock_id")
+    )
+    outcome = releasing.outcome
     try:
         writer.execute("BEGIN IMMEDIATE")  # another process writes, for as long as it likes
         releasing.start()
-        assert trying.wait(10)
+        assert releasing.reached.wait(10)
         queued = lite.acquire("account:1", 60_000, ticket=second)
         assert queued.queue_position == 1  # behind the first waiter, at once
         assert (releasing.is_alive(), outcome) == (True, [])  # the release still tries
     finally:
         if writer.in_transaction:
             writer.execute("ROLLBACK")
-        if releasing.ident is not None:
-            releasing.join(10)
+        releasing.wait_if_started()
     assert outcome == [True]
-    claimed = lite.acquire("account:1", 60_000, ticket=first)  # granted on release
-    assert (claimed.ok, claimed.fence) == (True, "000000000000002")
-    assert lite.release(claimed.lock_id).ok is True
+    claims_its_grant(lite, first)
