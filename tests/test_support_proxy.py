@@ -1,12 +1,23 @@
-"""The fault proxy's notion of a held request (``tests/support/proxy.py``): the fault tests
-drop a connection while a call waits, and must know that the call's request, not
-some control frame of the client's, is what the proxy holds."""
+"""The fault proxy (``tests/support/proxy.py``).
+
+Its notion of a held request: the fault tests drop a connection while a call waits,
+and must know that the call's request, not some control frame of the client's, is
+what the proxy holds. And its latency: a stream of chunks is delayed as a link delays
+it, once, so that a gRPC call made of several frames stays below a timeout the test
+means it to stay below."""
 
 from __future__ import annotations
 
+import socket
+import socketserver
 import struct
+import threading
+import time
+from collections.abc import Iterator
 
-from tests.support.proxy import _HTTP2_PREFACE, _Requests
+import pytest
+
+from tests.support.proxy import _HTTP2_PREFACE, FaultProxy, _Requests
 
 PING, SETTINGS, HEADERS, DATA, WINDOW_UPDATE, RST_STREAM = 0x6, 0x4, 0x1, 0x0, 0x8, 0x3
 
@@ -57,3 +68,46 @@ def test_the_preface_arriving_in_pieces_is_not_a_request():
         False,
         True,
     ]
+
+
+class _Echo(socketserver.BaseRequestHandler):
+    def handle(self) -> None:
+        while data := self.request.recv(65536):
+            self.request.sendall(data)
+
+
+@pytest.fixture
+def echo_port() -> Iterator[int]:
+    with socketserver.ThreadingTCPServer(("127.0.0.1", 0), _Echo) as server:
+        server.daemon_threads = True
+        thread = threading.Thread(target=server.serve_forever, daemon=True)
+        thread.start()
+        try:
+            yield server.server_address[1]
+        finally:
+            server.shutdown()
+
+
+def test_latency_delays_a_stream_of_chunks_once_not_once_per_chunk(echo_port):
+    latency_s, chunks = 1.0, 4
+    with (
+        FaultProxy(echo_port) as proxy,
+        socket.create_connection(("127.0.0.1", proxy.port)) as sock,
+    ):
+        proxy.set_latency(int(latency_s * 1000))
+        started = time.monotonic()
+        for n in range(chunks):
+            sock.sendall(bytes([n]))
+            # Apart, so that the proxy reads them as separate chunks (a pause that only
+            # shapes the traffic: chunks read together would pass with either delay).
+            time.sleep(0.05)
+        echoed, first_back = b"", None
+        while len(echoed) < chunks:
+            echoed += sock.recv(16)
+            first_back = first_back or time.monotonic()
+        all_back = time.monotonic()
+    assert echoed == bytes(range(chunks))
+    # There and back: twice the latency for the first byte. A delay counted from the
+    # previous chunk's departure would bring the last one back after 2 * 4 s.
+    assert first_back - started >= 2 * latency_s * 0.99  # asyncio may wake a hair early
+    assert all_back - started < 2 * latency_s + 1.5

@@ -5,8 +5,9 @@ forwards every connection to ``127.0.0.1:upstream_port``, in both directions, fr
 an asyncio loop in a background thread. Controls, callable from any thread (each
 takes effect before it returns):
 
-- ``set_latency(ms)``: every chunk waits ``ms`` before being forwarded (a request
-  and its reply each pay it once);
+- ``set_latency(ms)``: every chunk is forwarded ``ms`` after it arrived, like a link
+  with that one-way delay: a request and its reply each pay it once, however many
+  chunks (HTTP/2 frames, say) they arrive in;
 - ``stall()``: keep accepting and holding connections (new ones too), forward no
   byte: a server that went silent, or a middlebox that hangs. Nothing is closed, so
   TCP keepalives and ``tcp_user_timeout`` see a healthy peer;
@@ -217,27 +218,31 @@ class FaultProxy:
         assert flowing is not None
         # Reading goes on while stalled (only forwarding stops), so that a request
         # behind a client's control frame is seen as held.
-        chunks: asyncio.Queue[bytes] = asyncio.Queue()
+        # Each chunk with the loop time it arrived at: its latency counts from then, so
+        # chunks that arrive together leave together (a delay per chunk counted from
+        # the previous one's departure would add up along a stream of frames).
+        chunks: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue()
         requests = _Requests() if from_client else None
+        loop = asyncio.get_running_loop()
 
         async def receive() -> None:
             try:
                 while data := await reader.read(65536):
                     if requests is not None and requests.feed(data) and not flowing.is_set():
                         self._held.set()
-                    chunks.put_nowait(data)
+                    chunks.put_nowait((loop.time(), data))
             except OSError:
                 pass  # a reset (ours or the peer's): the stream ends here either way
             finally:
-                chunks.put_nowait(b"")  # end of stream, or the connection failed
+                chunks.put_nowait((loop.time(), b""))  # end of stream, or the connection failed
 
         receiving = asyncio.ensure_future(receive())
         try:
             while True:
-                data = await chunks.get()
+                arrived, data = await chunks.get()
                 await flowing.wait()  # stalled: hold the bytes
-                if self.latency_s:
-                    await asyncio.sleep(self.latency_s)
+                if (due := arrived + self.latency_s - loop.time()) > 0:
+                    await asyncio.sleep(due)
                 if pair not in self._pairs:  # dropped meanwhile
                     return
                 if not data:
