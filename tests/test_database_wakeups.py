@@ -854,10 +854,15 @@ def test_a_grant_the_releaser_watches_is_settled_by_the_key_moving_on(pg, other)
         assert queued.wait(WAKE_S)
         assert pg.release(held.lock_id).ok
         channel = channel_name(pg.storage_key(key))
-        (ticket,) = [t for _, t in pg.wake_ups._watches.values()]
+        ((due, ticket),) = pg.wake_ups._watches.values()
         assert ticket  # the grant to the waiter is watched
         assert pg.wake_ups._watched_keys[channel] == pg.storage_key(key)
-        assert 0 < pg.wake_ups.hold_back(key) <= QUEUE_AFTER_GRANT_MS / 1000
+        # Held back QUEUE_AFTER_GRANT_MS from the grant (read at given instants: the
+        # millisecond after the grant can be over before the next line runs).
+        granted_at = due - channels_module.WATCH_AFTER_S
+        hold_back = pg.wake_ups.hold_back
+        assert hold_back(key, now=granted_at) == pytest.approx(QUEUE_AFTER_GRANT_MS / 1000)
+        assert hold_back(key, now=granted_at + QUEUE_AFTER_GRANT_MS / 1000) == 0
         assert pg.wake_ups.hold_back("wake:elsewhere") == 0
         leave.set()
         thread.join(WAKE_S)

@@ -602,9 +602,14 @@ def test_a_grant_the_releaser_watches_is_settled_by_the_key_moving_on(rh, queued
         assert queued_threads["waiter"].wait(WAKE_S)
         assert backend.release(held.lock_id).ok
         lock_key = backend.lock_key(key)
-        (ticket,) = [t for _, t in backend.wake_ups._watches.values()]
+        ((due, ticket),) = backend.wake_ups._watches.values()
         assert ticket  # the grant to the waiter is watched
-        assert 0 < backend.wake_ups.hold_back(key) <= QUEUE_AFTER_GRANT_MS / 1000
+        # Held back QUEUE_AFTER_GRANT_MS from the grant (read at given instants: the
+        # millisecond after the grant can be over before the next line runs).
+        granted_at = due - channels.WATCH_AFTER_S
+        hold_back = backend.wake_ups.hold_back
+        assert hold_back(key, now=granted_at) == pytest.approx(QUEUE_AFTER_GRANT_MS / 1000)
+        assert hold_back(key, now=granted_at + QUEUE_AFTER_GRANT_MS / 1000) == 0
         assert backend.wake_ups.hold_back("x:elsewhere") == 0
         leave.set()
         thread.join(WAKE_S)

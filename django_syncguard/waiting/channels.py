@@ -397,7 +397,7 @@ class ChannelWorker(WakeUps):
         and is connected; otherwise the release tells the next waiter instead)."""
         return self._state is State.CONNECTED
 
-    def hold_back(self, key: str) -> float:
+    def hold_back(self, key: str, now: float | None = None) -> float:
         if not self._watches:
             return 0.0
         watched = self._watches.get(self.transport.channel(key))
@@ -406,7 +406,8 @@ class ChannelWorker(WakeUps):
         # A watch made by a fresh grant is due WATCH_AFTER_S after it (a re-check of
         # an old grant is due sooner, so it holds nothing back).
         made = watched[0] - WATCH_AFTER_S
-        return max(0.0, made + tickets.QUEUE_AFTER_GRANT_MS / 1000 - time.monotonic())
+        now = time.monotonic() if now is None else now
+        return max(0.0, made + tickets.QUEUE_AFTER_GRANT_MS / 1000 - now)
 
     def settled(self, channel: str) -> None:
         """This process acquired (or was granted) the key of ``channel``: any grant it

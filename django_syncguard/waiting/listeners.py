@@ -259,10 +259,11 @@ class WakeUps:
         if listener is not None:
             listener.nudge(_recheck_at())
 
-    def hold_back(self, key: str) -> float:
-        """Seconds a waiting acquisition of ``key`` starting now waits before its first
-        attempt (see :data:`~.tickets.QUEUE_AFTER_GRANT_MS`): 0 unless this process
-        has just granted the key (registries that watch their grants)."""
+    def hold_back(self, key: str, now: float | None = None) -> float:
+        """Seconds a waiting acquisition of ``key`` starting now (or at ``now``, a
+        ``time.monotonic()`` reading) waits before its first attempt (see
+        :data:`~.tickets.QUEUE_AFTER_GRANT_MS`): 0 unless this process has just
+        granted the key (registries that watch their grants)."""
         return 0.0
 
     def claim(self, key: str, grant: Grant) -> None:
