@@ -72,13 +72,7 @@ def extend_events(backend):
 def test_auto_extend_renews_every_third_of_the_ttl(mem, monkeypatch):
     # The renewal thread waits until the test has moved the fake clock: on a busy
     # machine it could otherwise renew (after 100 real ms) before the move.
-    advanced, extend = threading.Event(), mem.backend.extend
-
-    def extend_after_the_move(*args, **kwargs):
-        advanced.wait(5)
-        return extend(*args, **kwargs)
-
-    monkeypatch.setattr(mem.backend, "extend", extend_after_the_move)
+    advanced = mem.delay_extends(monkeypatch)
     wrapped, outcomes, renewed = extend_events(mem.backend)
     with locked("job", using=wrapped, ttl_ms=300, auto_extend=True) as lease:
         assert lease._renewer.interval == pytest.approx(0.1)  # a third of 300 ms
@@ -92,10 +86,13 @@ def test_auto_extend_renews_every_third_of_the_ttl(mem, monkeypatch):
     assert mem.backend.is_locked("job") is False
 
 
-def test_auto_extend_marks_the_lease_lost_when_renewal_fails(mem, syncguard_log):
+def test_auto_extend_marks_the_lease_lost_when_renewal_fails(mem, syncguard_log, monkeypatch):
+    # As above: a move delayed past the first renewal would give an "ok" first.
+    advanced = mem.delay_extends(monkeypatch)
     wrapped, outcomes, renewed = extend_events(mem.backend)
     with locked("job", using=wrapped, ttl_ms=300, auto_extend=True) as lease:
         mem.advance(5_000)  # the lock expires before the first renewal
+        advanced.set()
         assert renewed.wait(5), "no renewal within 5 s"
         lease._renewer.join(5)
         assert outcomes == ["fail"]

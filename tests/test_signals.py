@@ -273,8 +273,11 @@ def test_renewal_after_expiry_sends_lost_once(mem):
     ]
 
 
-def test_auto_extend_thread_sends_lost(mem):
+def test_auto_extend_thread_sends_lost(mem, monkeypatch):
     arrived = threading.Event()
+    # The renewal waits for the clock's move, which a busy machine could otherwise
+    # delay past the first renewal (100 real ms): a lock_extended before the loss.
+    advanced = mem.delay_extends(monkeypatch)
 
     def on_lost(sender, **kwargs):
         arrived.set()
@@ -285,6 +288,7 @@ def test_auto_extend_thread_sends_lost(mem):
         locked(KEY, using=mem.backend, ttl_ms=300, auto_extend=True) as lease,
     ):
         mem.advance(5_000)  # the lock expires before the first renewal
+        advanced.set()
         assert arrived.wait(5), "no lock_lost within 5 s"
     assert received[1:] == [
         lost(mem.backend, lease.lock_id),

@@ -7,8 +7,9 @@ stored records on a server whose clock we do not control), and seed a fence coun
 
 from __future__ import annotations
 
+import threading
 import uuid
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from django_syncguard.backends.base import BaseLockBackend
 from django_syncguard.backends.database import DatabaseBackend
@@ -67,6 +68,20 @@ class MemoryHarness(Harness):
 
     def advance(self, ms: int) -> None:
         self.clock.advance(ms)
+
+    def delay_extends(self, monkeypatch: Any) -> threading.Event:
+        """Make the backend's extends (an auto-extend's renewals) wait until the
+        returned event is set. A test sets it once it has moved the fake clock: on a
+        busy machine the move could otherwise come after the first renewal, which
+        runs a third of the TTL later in real time."""
+        go, extend = threading.Event(), self.backend.extend
+
+        def extend_when_told(*args: Any, **kwargs: Any) -> Any:
+            go.wait(5)
+            return extend(*args, **kwargs)
+
+        monkeypatch.setattr(self.backend, "extend", extend_when_told)
+        return go
 
     def set_fence(self, key: str, value: int) -> None:
         assert isinstance(self.backend, MemoryBackend)
