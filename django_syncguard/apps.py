@@ -11,5 +11,7 @@ class SyncGuardConfig(AppConfig):
 
     def ready(self) -> None:
         from . import checks
+        from .handler import locks
 
         checks.register()
+        locks.prepare_process()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import logging
 import threading
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +21,8 @@ from django.utils.connection import BaseConnectionHandler
 from django.utils.module_loading import import_string
 
 from .contract import LockBackend, missing_operations
+
+logger = logging.getLogger("django_syncguard.handler")
 
 DEFAULT_ALIAS = "default"
 SETTINGS_NAME = "SYNCGUARD_BACKENDS"
@@ -110,6 +113,25 @@ class LockHandler(_HandlerBase):
             )
         return backend_cls  # type: ignore[no-any-return]
 
+    def prepare_process(self) -> None:
+        """Ask each configured backend class to set up what must be in place from the
+        process's start (``prepare_process(alias, params)``; run when the app is ready
+        and when a test changes the setting). No backend is built. The settings are
+        read afresh and not kept, so that a change made after set-up is still what
+        the first use reads; whatever is wrong with them is the system checks' to
+        report, so it is skipped here."""
+        try:
+            configured = self.configure_settings(self._settings)
+        except InvalidBackendError:
+            return
+        for alias, params in configured.items():
+            try:
+                prepare = getattr(import_string(params["BACKEND"]), "prepare_process", None)
+                if prepare is not None:
+                    prepare(alias, params)
+            except Exception as exc:
+                logger.debug("Lock backend %r not prepared: %r", alias, exc)
+
     def create_connection(self, alias: str) -> LockBackend:
         backend_cls = self.backend_class(alias)
         try:
@@ -182,3 +204,4 @@ locks = LockHandler()
 def _reset_on_setting_changed(*, setting: str, **kwargs: Any) -> None:
     if setting == SETTINGS_NAME:
         locks.reset()
+        locks.prepare_process()

@@ -39,6 +39,7 @@ from django_syncguard.fence_floors import FenceState
 from django_syncguard.fencing import FENCE_MAX
 from django_syncguard.keys import fence_key_of
 from django_syncguard.waiting import GRANT_WINDOW_MS, Grant, WaitTicket
+from tests.support import transaction_workers
 from tests.support.harness import PostgresHarness, SqliteHarness
 from tests.support.servers import import_extra
 from tests.testapp.models import Account
@@ -202,6 +203,23 @@ def test_sqlite_lock_after_a_write_in_the_same_transaction_fails_at_once():
     backend.close()
     assert str(caught.value) == BLOCKED_BY_CALLER.format(database="default")
     assert isinstance(caught.value.__cause__, NetworkTimeout)
+    assert observer("default").is_locked("invoice:9") is False
+
+
+@on_sqlite
+def test_sqlite_first_lock_of_a_process_after_a_write_fails_at_once_too(children):
+    # The backend is built by its first use, here inside a transaction that has
+    # written already. The watch of the application's transactions is in place from
+    # the app's ready() (prepare_process), so that write is seen: without it, the
+    # call waited out the whole busy timeout and raised NetworkTimeout.
+    reports = children.ctx.Queue()
+    databases = {"default": dict(connections["default"].settings_dict)}
+    children.start(transaction_workers.first_lock_of_the_process_after_a_write, databases, reports)
+    built_before, outcome = reports.get(timeout=60)
+    children.join()
+    assert built_before is False
+    blocked = BLOCKED_BY_CALLER.format(database="default")
+    assert outcome == ("ServiceUnavailable", blocked, "NetworkTimeout")
     assert observer("default").is_locked("invoice:9") is False
 
 

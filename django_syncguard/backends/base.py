@@ -257,6 +257,16 @@ class BaseLockBackend(SanitizedLookups, ABC):
         none (construction errors are ``syncguard.E003``). No I/O."""
         return []
 
+    @classmethod
+    def prepare_process(cls, alias: str, params: Mapping[str, Any]) -> None:
+        """Set up, when the app is ready, what must be in place from the process's
+        start for the lock alias ``alias`` (its ``SYNCGUARD_BACKENDS`` entry is
+        ``params``), without building a backend and without I/O. Backends are built on
+        first use, which may come too late to see what the process did before: the
+        SQLite backend watches which transactions have written
+        (``LockHandler.prepare_process``). Nothing by default; bad settings are the
+        system checks' to report."""
+
     @property
     def grants(self) -> bool:
         """Whether a release hands the key to the first live waiter in the same atomic

@@ -182,3 +182,37 @@ def deposit_over_http(url, iterations, barrier, results):
         results.put(exc)
         return
     results.put((replies, failed))
+
+
+def first_lock_of_the_process_after_a_write(databases, reports):
+    """A process whose settings keep its locks in its SQLite database, as a project's
+    would, and whose first lock call (the one that builds the backend) comes inside a
+    transaction that has written. Reports whether the backend was built before that
+    call, and what the call raised: (type name, message, type name of its cause)."""
+    os.environ["DJANGO_SETTINGS_MODULE"] = "tests.settings"
+    from django.conf import settings
+
+    settings.DATABASES.update(databases)
+    settings.SYNCGUARD_BACKENDS = {
+        "default": {
+            "BACKEND": "django_syncguard.backends.database.DatabaseBackend",
+            "OPTIONS": {"OPERATION_TIMEOUT_MS": 5_000},
+        }
+    }
+    import django
+
+    django.setup()
+    from django.db import transaction
+
+    from django_syncguard import locks
+    from tests.testapp.models import Account
+
+    built_before, outcome = None, None
+    try:
+        with transaction.atomic():
+            Account.objects.create(name="first")
+            built_before = hasattr(locks._connections, "default")
+            locks["default"].acquire("invoice:9", 1_000)
+    except Exception as exc:
+        outcome = (type(exc).__name__, str(exc), type(exc.__cause__).__name__)
+    reports.put((built_before, outcome))

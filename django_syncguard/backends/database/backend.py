@@ -93,6 +93,14 @@ class DatabaseBackend(BatchedCleanup, BaseLockBackend):
         without I/O: the judgement the constructor makes, as system-check errors."""
         return check_errors(alias, params)
 
+    @classmethod
+    def prepare_process(cls, alias: str, params: Mapping[str, Any]) -> None:
+        """Let the vendor of the alias's database set up what it needs from the
+        process's start (on SQLite: the watch of the application's transactions)."""
+        target = resolve(alias, params.get("OPTIONS") or {})
+        if not isinstance(target, Problem):
+            target.operations.prepare_process(target.database)
+
     def _acquire_may_have_run(self, error: LockError) -> bool:
         return may_have_run(error)
 

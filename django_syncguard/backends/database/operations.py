@@ -168,6 +168,12 @@ class DatabaseOperations(ABC):
         return  # nothing by default
 
     @classmethod
+    def prepare_process(cls, database: str) -> None:
+        """Set up, when the app is ready, what this vendor needs in place from the
+        process's start for locks in the ``DATABASES`` alias ``database`` (no I/O)."""
+        return  # nothing by default
+
+    @classmethod
     def startup_settings_lost(cls, raw: Any, operation_timeout_ms: int) -> bool:
         """Whether the server runs the new driver connection ``raw`` without the
         timeouts ``connection_options`` asked for (a pooler dropped them)."""

@@ -289,6 +289,14 @@ class SqliteOperations(DatabaseOperations):
         super().__init__(bounded, clock, database=database, queues=queues)
         watch_transaction_writes(database)
 
+    @classmethod
+    def prepare_process(cls, database: str) -> None:
+        """Watch the application's transactions on ``database`` from the start: a
+        backend built lazily, by a first lock call inside a transaction that has
+        already written, would not have seen that write, and the call would wait out
+        the busy timeout instead of failing fast (``BLOCKED_BY_CALLER``)."""
+        watch_transaction_writes(database)
+
     def check(self, alias: str) -> list[Any]:
         """``syncguard.W002`` when every transaction on the locks' database takes its
         write lock up front. (``ATOMIC_REQUESTS`` alone is fine: a lock taken before the
