@@ -246,7 +246,8 @@ BLOCKED_BY_CALLER = (
     "connection, so this call would wait for your transaction, which waits for this "
     "call. Take the lock before the transaction writes (e.g. decorate the view, or open "
     "atomic() inside the locked code), or keep the locks in an SQLite database of their "
-    "own (README: SQLite set-up)."
+    "own (README: SQLite set-up). In a TestCase, the transaction is the test's own: run "
+    "the tests on the memory backend."
 )
 
 
