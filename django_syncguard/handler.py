@@ -3,7 +3,8 @@
 Unlike Django's cache handler, backends are shared by every thread of the process
 (a lock backend owns a thread-safe pool or store; one per thread would defeat it).
 Settings are read on first use, never at import, and re-read when a test overrides
-``SYNCGUARD_BACKENDS``.
+``SYNCGUARD_BACKENDS`` (``prepare_process`` also reads them when the app is ready,
+without keeping them).
 """
 
 from __future__ import annotations

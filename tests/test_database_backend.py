@@ -32,7 +32,11 @@ from django_syncguard.backends.database.connections import idle_connection_is_go
 from django_syncguard.backends.database.errors import map_database_error
 from django_syncguard.backends.database.postgresql import ACQUIRE, DELETE_IDLE
 from django_syncguard.backends.database.sql import FLOOR_KEY
-from django_syncguard.backends.database.sqlite import BLOCKED_BY_CALLER
+from django_syncguard.backends.database.sqlite import (
+    BLOCKED_BY_CALLER,
+    _WriteWatch,
+    watch_transaction_writes,
+)
 from django_syncguard.constants import TIME_TOLERANCE_MS
 from django_syncguard.errors import AuthFailed, RateLimited
 from django_syncguard.fence_floors import FenceState
@@ -221,6 +225,34 @@ def test_sqlite_first_lock_of_a_process_after_a_write_fails_at_once_too(children
     blocked = BLOCKED_BY_CALLER.format(database="default")
     assert outcome == ("ServiceUnavailable", blocked, "NetworkTimeout")
     assert observer("default").is_locked("invoice:9") is False
+
+
+@on_sqlite
+def test_the_watch_leaves_the_application_s_execute_wrapper_to_end_with_its_block():
+    # A connection opened inside Django's execute_wrapper() block (a query-logging
+    # middleware's, on a request's new connection): the block's end pops the last
+    # wrapper, which must be the application's, not the watch added as it connected.
+    watch_transaction_writes("default")
+    logged: list[str] = []
+
+    def log(execute, sql, params, many, context):
+        logged.append(sql)
+        return execute(sql, params, many, context)
+
+    def request() -> list[str]:
+        connection = connections["default"]  # this thread's: not connected yet
+        try:
+            with connection.execute_wrapper(log):
+                connection.cursor().execute("SELECT 1")
+            connection.cursor().execute("SELECT 2")  # after the block: not logged
+            return [type(w).__name__ for w in connection.execute_wrappers]
+        finally:
+            connection.close()
+
+    with ThreadPoolExecutor(1) as pool:
+        wrappers = pool.submit(request).result(timeout=60)
+    assert wrappers == [_WriteWatch.__name__]
+    assert logged == ["SELECT 1"]
 
 
 @pytest.mark.django_db(transaction=True, databases=["default", "postgres"])

@@ -1152,7 +1152,11 @@ def _on_connection_created(sender: Any, connection: BaseDatabaseWrapper, **kwarg
 
 def _watch(connection: BaseDatabaseWrapper) -> None:
     if connection.alias in _watched and not _watcher(connection):
-        connection.execute_wrappers.append(_WriteWatch())
+        # First, not last: Django's execute_wrapper() pops the last wrapper when its
+        # block ends, and a connection opened inside such a block (every request's,
+        # under CONN_MAX_AGE=0) would otherwise lose the watch and keep the
+        # application's wrapper for good. The watch only looks, so outermost is fine.
+        connection.execute_wrappers.insert(0, _WriteWatch())
 
 
 def _watcher(connection: BaseDatabaseWrapper) -> _WriteWatch | None:
