@@ -189,19 +189,9 @@ def first_lock_of_the_process_after_a_write(databases, reports):
     would, and whose first lock call (the one that builds the backend) comes inside a
     transaction that has written. Reports whether the backend was built before that
     call, and what the call raised: (type name, message, type name of its cause)."""
-    os.environ["DJANGO_SETTINGS_MODULE"] = "tests.settings"
-    from django.conf import settings
-
-    settings.DATABASES.update(databases)
-    settings.SYNCGUARD_BACKENDS = {
-        "default": {
-            "BACKEND": "django_syncguard.backends.database.DatabaseBackend",
-            "OPTIONS": {"OPERATION_TIMEOUT_MS": 5_000},
-        }
-    }
-    import django
-
-    django.setup()
+    database_backend = "django_syncguard.backends.database.DatabaseBackend"
+    options = {"OPERATION_TIMEOUT_MS": 5_000}
+    setup_django(databases, {"default": {"BACKEND": database_backend, "OPTIONS": options}})
     from django.db import transaction
 
     from django_syncguard import locks

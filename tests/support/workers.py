@@ -12,14 +12,20 @@ import random
 from typing import Any
 
 
-def setup_django(databases: dict[str, dict[str, Any]]) -> None:
-    """Django from the test settings, pointed at the parent's test databases."""
+def setup_django(
+    databases: dict[str, dict[str, Any]], lock_backends: dict[str, Any] | None = None
+) -> None:
+    """Django from the test settings, pointed at the parent's test databases; with
+    ``lock_backends``, that ``SYNCGUARD_BACKENDS``, set before the app is ready (as a
+    project's settings file would set it)."""
     os.environ["DJANGO_SETTINGS_MODULE"] = "tests.settings"
     import django
     from django.conf import settings
 
     for alias, settings_dict in databases.items():
         settings.DATABASES[alias] = settings_dict
+    if lock_backends is not None:
+        settings.SYNCGUARD_BACKENDS = lock_backends
     django.setup()
 
 
