@@ -288,7 +288,7 @@ class SqliteOperations(DatabaseOperations):
         self._wal_mode: bool | None = None
         bounded = self._bounded_under_caller_transaction(run)
         super().__init__(bounded, clock, database=database, queues=queues)
-        watch_transaction_writes(database)
+        self.prepare_process(database)  # already done at ready(), unless the alias is new
 
     @classmethod
     def prepare_process(cls, database: str) -> None:
