@@ -29,6 +29,10 @@ step:
 | granted → body | | the grantee's body starts |
 
 For the floor: exit → release, release → send, send → ``BLPOP`` returned, → body.
+Then, for ours, the time from the waiting thread's own last read of its socket to its
+body, and that thread's CPU time (``time.thread_time_ns()``) over the same span: equal,
+the grantee's path is work on a core; wall time above CPU time would be waiting for a
+core or for the GIL.
 The wrappers add a few microseconds to each step; both runs pay them alike. Each
 release script's own time on the server (``SLOWLOG``, every call logged) is given
 too, ours and the floor's. The stamps say where the time goes; ``bench/contention.py``
@@ -83,6 +87,9 @@ OURS = ("exit", "release", "send", "read", "parsed", "delivered", "returned", "g
 FLOOR = ("exit", "release", "send", "popped", "body")
 POSTGRES = ("exit", "release", "send", "read", "parsed", "delivered", "returned", "granted", "body")
 Stamps = list[tuple[str, int]]
+#: (stamp, monotonic ns, thread ident, that thread's CPU time in ns) at each "read" and
+#: "body": whether the grantee's path is work or waiting (:func:`grantee_cpu`).
+Marks = list[tuple[str, int, int, int]]
 
 
 def around(owner: Any, name: str, record: Callable[[str], None], after: str) -> None:
@@ -215,10 +222,14 @@ def child(kind: str, url: str, hold_s: float, start_ns: int, seconds: float, out
         location = {"BACKEND": "django_syncguard.backends.redis.RedisBackend", "LOCATION": url}
         configure_django({}, {"default": location})
     stamps: Stamps = []
+    marks: Marks = []
     local = threading.local()
 
     def record(name: str) -> None:
-        stamps.append((name, time.monotonic_ns()))
+        now = time.monotonic_ns()
+        stamps.append((name, now))
+        if name in ("read", "body"):
+            marks.append((name, now, threading.get_ident(), time.thread_time_ns()))
 
     def body() -> None:
         record("body")
@@ -241,11 +252,12 @@ def child(kind: str, url: str, hold_s: float, start_ns: int, seconds: float, out
 
     hold(f"warm-{os.getpid()}")  # connections, scripts, the wake-up thread
     stamps.clear()
+    marks.clear()
     time.sleep(max(start_ns - time.monotonic_ns(), 0) / 1e9)
     end = start_ns + int(seconds * 1e9)
     while time.monotonic_ns() < end:
         hold("hot")
-    out.put((os.getpid(), stamps))
+    out.put((os.getpid(), stamps, marks))
 
 
 def steps(runs: dict[int, Stamps], chain: tuple[str, ...]) -> dict[str, list[int]]:
@@ -284,7 +296,30 @@ def steps(runs: dict[int, Stamps], chain: tuple[str, ...]) -> dict[str, list[int
     return found
 
 
-def run(kind: str, url: str, args: argparse.Namespace) -> dict[int, Stamps]:
+def grantee_cpu(marks: dict[int, Marks]) -> tuple[list[int], list[int]]:
+    """For each body entered after a wait whose wake-up its own thread read: the time
+    from that thread's last read to the body, and the thread's CPU time over it (ns).
+    Equal, the path is work on the CPU; wall time above CPU time is waiting (for the
+    GIL, or for a core)."""
+    walls: list[int] = []
+    cpus: list[int] = []
+    for process_marks in marks.values():
+        reads: dict[int, tuple[int, int]] = {}
+        for name, t, thread, cpu in process_marks:
+            if name == "read":
+                reads[thread] = (t, cpu)
+                continue
+            read = reads.get(thread)
+            if read is not None:
+                walls.append(t - read[0])
+                cpus.append(cpu - read[1])
+            reads.clear()
+    return walls, cpus
+
+
+def run(
+    kind: str, url: str, args: argparse.Namespace, marks: dict[int, Marks] | None = None
+) -> dict[int, Stamps]:
     context = multiprocessing.get_context("spawn")
     out = context.Queue()
     start_ns = time.monotonic_ns() + int(5e9)
@@ -295,7 +330,12 @@ def run(kind: str, url: str, args: argparse.Namespace) -> dict[int, Stamps]:
     ]
     for process in processes:
         process.start()
-    runs = dict(out.get(timeout=120) for _ in processes)
+    runs = {}
+    for _ in processes:
+        pid, stamps, process_marks = out.get(timeout=120)
+        runs[pid] = stamps
+        if marks is not None:
+            marks[pid] = process_marks
     for process in processes:
         process.join(30)
     return runs
@@ -330,7 +370,8 @@ def main() -> None:
         url = f"redis://127.0.0.1:{server.port}/0"
         client = redis.Redis.from_url(url)
         log_every_call(client)
-        ours = steps(run("ours", url, args), OURS)
+        marks: dict[int, Marks] = {}
+        ours = steps(run("ours", url, args, marks), OURS)
         script = [duration * 1000 for _, duration in release_durations(client)]  # ns
         client.slowlog_reset()
         floor = steps(run("fifo", url, args), FLOOR)
@@ -350,6 +391,15 @@ def main() -> None:
     print(f"| popped → body (floor) | | {spread_us(floor['popped → body'])} |")
     scripts = f"{spread_us(script)} | {spread_us(floor_script)}"
     print(f"| the release script on the server (SLOWLOG) | {scripts} |")
+    print_grantee_cpu(marks)
+
+
+def print_grantee_cpu(marks: dict[int, Marks]) -> None:
+    walls, cpus = grantee_cpu(marks)
+    print(
+        f"\nThe waiting thread's own read to its body ({len(walls)} bodies): "
+        f"{spread_us(walls)} µs, of which its CPU time {spread_us(cpus)} µs"
+    )
 
 
 def _floor_release() -> str:
@@ -375,7 +425,8 @@ def postgres_main(args: argparse.Namespace) -> None:
         if args.statements:
             _statements(server.port, "CREATE EXTENSION pg_stat_statements")
             _statements(server.port, "SELECT pg_stat_statements_reset()")
-        runs = run("postgres", str(server.port), args)
+        marks: dict[int, Marks] = {}
+        runs = run("postgres", str(server.port), args, marks)
         if args.statements:
             statements = _statements(server.port, STATEMENTS_QUERY)
     finally:
@@ -398,6 +449,7 @@ def postgres_main(args: argparse.Namespace) -> None:
     for name, values in ours.items():
         print(f"| {name} | {spread_us(values)} |")
     print(f"| the release statement's round trip, every release | {spread_us(trips)} |")
+    print_grantee_cpu(marks)
     if statements:
         print(
             "\nStatements by total time (pg_stat_statements, track = all: the statements"
