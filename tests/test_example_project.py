@@ -62,7 +62,7 @@ def test_demo_pays_the_invoice_exactly_once(example: tuple[Run, Path]) -> None:
     lines = run("manage.py", "syncguard_demo").splitlines()
 
     assert lines == [
-        "Paying Invoice INV-0042 (125.00) with 4 worker processes",
+        "Paying Invoice INV-0042 (pk 1, 125.00) with 4 worker processes",
         "  Each worker is its own Python process; the lock invoice:<pk> and its fences live "
         "in the shared SQLite file.",
         "1. worker-1 takes the lock, then stalls past its lease",

@@ -124,7 +124,9 @@ class Command(BaseCommand):
         if locks["default"].is_locked(key):
             raise CommandError(f"{key} is still held by an interrupted run; try again in 30 s.")
         amount = f"{invoice.amount_cents // 100}.{invoice.amount_cents % 100:02d}"
-        self.heading(f"Paying {invoice} ({amount}) with {len(WORKERS)} worker processes")
+        # The lock is named by the primary key, not the invoice's number: say which.
+        count = len(WORKERS)
+        self.heading(f"Paying {invoice} (pk {invoice.pk}, {amount}) with {count} worker processes")
         self.say(
             "  Each worker is its own Python process; the lock invoice:<pk> and its fences "
             "live in the shared SQLite file."
