@@ -795,11 +795,12 @@ WARM_WAIT_S = 0.05
 
 
 def warm_wait(method: Any, key: str) -> None:
-    """One untimed wait in this process, for a key another thread of it holds: what a
-    method sets up on its first wait (a wake-up channel's connection, its probe, the
-    process's own channel) is then done before the first cell that waits, not counted
-    as requests made while waiting there (the warm-up cycle takes a key of its own,
-    uncontended)."""
+    """One untimed wait in this process, for a key another thread of it holds: what
+    our backend sets up once per process on its first wait (the wake-up channel's
+    connection, its probe, the process's own channel) is then done before the first
+    cell that waits, not counted as requests made while waiting there (the warm-up
+    cycle takes a key of its own, uncontended). The peers keep nothing per process:
+    their first wait sets nothing up."""
     held = threading.Event()
 
     def hold_a_moment() -> None:
@@ -846,7 +847,8 @@ def worker_main(index: int, target: Target, inbox: Any, out: Any, stop: Any) -> 
             try:
                 if (name, cell_target) not in methods:
                     methods[name, cell_target] = build_method(cell_target, name, stop)
-                    warm_wait(methods[name, cell_target], f"warmup-wait:{index}")
+                    if getattr(methods[name, cell_target], "wake_ups", None):
+                        warm_wait(methods[name, cell_target], f"warmup-wait:{index}")
                 method = methods[name, cell_target]
                 warm = [
                     slots[t].submit(method.hold, f"warmup:{index}:{t}", lambda: None, False)

@@ -318,8 +318,9 @@ def grantee_cpu(marks: dict[int, Marks]) -> tuple[list[int], list[int]]:
 
 
 def run(
-    kind: str, url: str, args: argparse.Namespace, marks: dict[int, Marks] | None = None
-) -> dict[int, Stamps]:
+    kind: str, url: str, args: argparse.Namespace
+) -> tuple[dict[int, Stamps], dict[int, Marks]]:
+    """Each process's stamps and marks, by process id."""
     context = multiprocessing.get_context("spawn")
     out = context.Queue()
     start_ns = time.monotonic_ns() + int(5e9)
@@ -330,15 +331,12 @@ def run(
     ]
     for process in processes:
         process.start()
-    runs = {}
+    runs, marks = {}, {}
     for _ in processes:
-        pid, stamps, process_marks = out.get(timeout=120)
-        runs[pid] = stamps
-        if marks is not None:
-            marks[pid] = process_marks
+        pid, runs[pid], marks[pid] = out.get(timeout=120)
     for process in processes:
         process.join(30)
-    return runs
+    return runs, marks
 
 
 def spread_us(values: list[int]) -> str:
@@ -370,11 +368,11 @@ def main() -> None:
         url = f"redis://127.0.0.1:{server.port}/0"
         client = redis.Redis.from_url(url)
         log_every_call(client)
-        marks: dict[int, Marks] = {}
-        ours = steps(run("ours", url, args, marks), OURS)
+        runs, marks = run("ours", url, args)
+        ours = steps(runs, OURS)
         script = [duration * 1000 for _, duration in release_durations(client)]  # ns
         client.slowlog_reset()
-        floor = steps(run("fifo", url, args), FLOOR)
+        floor = steps(run("fifo", url, args)[0], FLOOR)
         floor_script = [d * 1000 for _, d in release_durations(client, _floor_release())]
         client.close()
     finally:
@@ -425,8 +423,7 @@ def postgres_main(args: argparse.Namespace) -> None:
         if args.statements:
             _statements(server.port, "CREATE EXTENSION pg_stat_statements")
             _statements(server.port, "SELECT pg_stat_statements_reset()")
-        marks: dict[int, Marks] = {}
-        runs = run("postgres", str(server.port), args, marks)
+        runs, marks = run("postgres", str(server.port), args)
         if args.statements:
             statements = _statements(server.port, STATEMENTS_QUERY)
     finally:
